@@ -1,0 +1,24 @@
+"""gpipe: GPipe pipeline-parallel training on PyTorch.
+
+The front end :class:`GPipe` wraps an ``nn.Sequential``; the engine beneath it is built around the
+schedule IR in :mod:`gpipe.schedule`.
+"""
+
+from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.checkpoint import is_checkpointing, is_recomputing
+from gpipe.gpipe import GPipe, MovingPartitionError
+from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
+
+__all__ = [
+    "DeferredBatchNorm",
+    "GPipe",
+    "MovingPartitionError",
+    "Schedule",
+    "ScheduleError",
+    "is_checkpointing",
+    "is_recomputing",
+    "make_schedule",
+    "simulate",
+]
+
+__version__ = "0.1.0"

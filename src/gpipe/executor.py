@@ -1,0 +1,215 @@
+"""The local executor: runs a schedule over stages placed on the devices of one process.
+
+Each stage gets a worker thread of its own; a worker runs its stage's list of actions from the
+schedule IR in order and waits only for the data an action consumes (an activation from the previous
+stage, a gradient from the next). Torch releases the GIL in its kernels, so stages on different
+devices — including several ``'cpu'`` devices, each worker then using its share of the intra-op
+threads — run concurrently.
+
+Boundary tensors are moved to the consuming stage's device with ``Tensor.to``, which orders the copy
+after the producer's work on the devices' current streams.
+
+When a worker raises, every other worker stops at its next wait, all of them are joined, and the
+original exception (with its traceback, and a note naming the stage and action) reaches the caller.
+No worker outlives the call.
+
+A schedule can also run *inline*: in the calling thread, action by action in an order that respects
+every dependency. The autograd-driven :class:`gpipe.GPipe` does so for its backward on CUDA devices,
+where backward is entered from autograd's own device threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpipe.microbatch import Batch
+from gpipe.schedule import Action, ActionKind, Schedule, execution_order
+from gpipe.stage import Grads, Saved, Stage, StepContext
+
+__all__ = ["LocalExecutor", "StepRun"]
+
+
+class _AbortedError(Exception):
+    """Another worker failed; this one stops waiting."""
+
+
+class _Mailbox:
+    """Where actions leave their results for the actions that consume them.
+
+    Keys: ``("act", m, s)`` is the input activation of stage ``s`` for micro-batch ``m``;
+    ``("grad", m, s)`` the gradient of stage ``s``'s output.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, int, int], Any] = {}
+        self._cond = threading.Condition()
+        self._failed = False
+
+    def put(self, key: tuple[str, int, int], value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: tuple[str, int, int]) -> Any:
+        with self._cond:
+            while key not in self._items:
+                if self._failed:
+                    raise _AbortedError
+                self._cond.wait()
+            return self._items.pop(key)
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+
+@dataclass
+class StepRun:
+    """The state of one step: its context, what forwards saved for backwards, and the results."""
+
+    ctx: StepContext
+    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
+    mailbox: _Mailbox = field(default_factory=_Mailbox)
+
+
+class LocalExecutor:
+    """Runs schedules over ``stages`` (stage ``s`` on worker ``s``) in one process.
+
+    ``cpu_threads`` is the number of intra-op threads each worker on a CPU device uses; by default
+    the caller's threads (``torch.get_num_threads()``) are shared out among the CPU workers. CPU
+    kernels may sum in a different order with a different number of threads, so results are
+    bitwise identical across partition counts when this number is fixed (e.g. 1).
+    """
+
+    def __init__(self, stages: Sequence[Stage], *, cpu_threads: int | None = None) -> None:
+        if cpu_threads is not None and cpu_threads <= 0:
+            raise ValueError(f"cpu_threads must be a positive integer (cpu_threads: {cpu_threads})")
+        self.stages = list(stages)
+        self.cpu_threads = cpu_threads
+
+    def run(self, schedule: Schedule, run: StepRun, *, inline: bool = False) -> None:
+        """Run every action of ``schedule``; inputs and gradients must already be in the mailbox."""
+        if schedule.num_stages != len(self.stages):
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages, the pipeline {len(self.stages)}"
+            )
+        if inline or schedule.num_workers == 1:
+            self._run_inline(schedule, run)
+        else:
+            self._run_threaded(schedule, run)
+
+    def _run_inline(self, schedule: Schedule, run: StepRun) -> None:
+        threads_before = torch.get_num_threads()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            for action in execution_order(schedule):
+                with run.ctx.applied(self.stages[action.stage].device):
+                    self._execute(action, run)
+            for acts in schedule.actions:
+                self._finish(acts, run)
+        finally:
+            torch.set_num_threads(threads_before)
+
+    def _run_threaded(self, schedule: Schedule, run: StepRun) -> None:
+        workers = [self.stages[a[0].stage] for a in schedule.actions if a]
+        cpu_workers = sum(1 for s in workers if s.device.type == "cpu")
+        threads_before = torch.get_num_threads()
+        threads = self.cpu_threads or max(1, threads_before // max(1, cpu_workers))
+        errors: list[BaseException] = []
+
+        def work(actions: tuple[Action, ...]) -> None:
+            device = self.stages[actions[0].stage].device
+            try:
+                if device.type == "cpu":
+                    torch.set_num_threads(threads)
+                with run.ctx.applied(device):
+                    for action in actions:
+                        try:
+                            self._execute(action, run)
+                        except _AbortedError:
+                            return
+                        except BaseException as exc:
+                            exc.add_note(f"(raised by {action} of the pipeline, on {device})")
+                            raise
+                    self._finish(actions, run)
+            except BaseException as exc:
+                errors.append(exc)
+                run.mailbox.fail()
+
+        pool = [
+            threading.Thread(target=work, args=(acts,), name=f"gpipe-worker-{w}")
+            for w, acts in enumerate(schedule.actions)
+            if acts
+        ]
+        try:
+            for t in pool:
+                t.start()
+        finally:
+            try:
+                for t in pool:
+                    if t.ident is not None:
+                        t.join()
+            except BaseException:  # interrupted while joining: stop the workers, then re-raise
+                run.mailbox.fail()
+                for t in pool:
+                    if t.ident is not None:
+                        t.join()
+                raise
+            finally:
+                torch.set_num_threads(threads_before)
+        if errors:
+            raise errors[0]
+
+    def _execute(self, action: Action, run: StepRun) -> None:
+        stage = self.stages[action.stage]
+        m, s = action.microbatch, action.stage
+        if action.kind is ActionKind.FORWARD:
+            batch = stage.receive(run.mailbox.get(("act", m, s)))
+            with torch.set_grad_enabled(run.ctx.grad_enabled):
+                out, saved = stage.forward(m, batch, run.ctx)
+            if saved is not None:
+                run.saved[(s, m)] = saved
+            run.mailbox.put(("act", m, s + 1), out)
+        else:
+            grads = stage.receive(run.mailbox.get(("grad", m, s)))
+            saved = run.saved.pop((s, m), None)
+            if saved is None:
+                raise RuntimeError(
+                    f"no saved forward for {action}: was the forward run without autograd "
+                    "(torch.no_grad) or is backward running twice?"
+                )
+            run.mailbox.put(("grad", m, s - 1), stage.backward(m, saved, grads, run.ctx))
+
+    def _finish(self, actions: Sequence[Action], run: StepRun) -> None:
+        if run.ctx.training and any(a.kind is ActionKind.FORWARD for a in actions):
+            for s in sorted({a.stage for a in actions}):
+                self.stages[s].finish_forwards()
+
+    # Entry points of a step, in terms of micro-batches.
+
+    def forward(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
+        """Run the forward actions of ``schedule``; return the step and the last stage's outputs."""
+        run = StepRun(ctx)
+        for m, batch in enumerate(batches):
+            run.mailbox.put(("act", m, 0), batch)
+        self.run(schedule.only(ActionKind.FORWARD), run)
+        last = len(self.stages)
+        return run, [run.mailbox.get(("act", m, last)) for m in range(len(batches))]
+
+    def backward(
+        self, schedule: Schedule, run: StepRun, grads: Sequence[Grads], *, inline: bool = False
+    ) -> list[Grads]:
+        """Run the backward actions of ``schedule`` from the gradients of the last stage's outputs;
+        return the gradients of the first stage's inputs."""
+        last = len(self.stages) - 1
+        for m, g in enumerate(grads):
+            run.mailbox.put(("grad", m, last), g)
+        self.run(schedule.only(ActionKind.BACKWARD), run, inline=inline)
+        return [run.mailbox.get(("grad", m, -1)) for m in range(len(grads))]

@@ -1,0 +1,221 @@
+"""``gpipe.GPipe``: the autograd-driven front end, a drop-in for torchgpipe's ``GPipe``.
+
+``GPipe(module, balance, chunks=M)`` cuts an ``nn.Sequential`` into partitions, places them on their
+devices and, on each call, runs the forward half of the fill-drain schedule over M micro-batches. The
+gathered output carries an autograd node whose backward runs the backward half of the same schedule,
+so ``loss.backward()`` trains the pipeline like a plain module. The engine — stages, schedule IR,
+executor — does the work; this module only adapts it to ``nn.Module`` and autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.checkpoint import check_mode, checkpoint_stop
+from gpipe.executor import LocalExecutor, StepRun
+from gpipe.microbatch import Batch, gather, scatter
+from gpipe.partition import check_balance, resolve_devices, split_module
+from gpipe.rng import step_seed
+from gpipe.schedule import Schedule, make_schedule
+from gpipe.stage import Grads, StepContext, stages_of
+
+__all__ = ["GPipe", "MovingPartitionError"]
+
+
+class MovingPartitionError(TypeError):
+    """Raised when a GPipe module is asked to move to another device."""
+
+
+@functools.lru_cache(maxsize=64)
+def _fill_drain(num_stages: int, num_microbatches: int) -> Schedule:
+    return make_schedule("gpipe", num_stages, num_microbatches)
+
+
+class GPipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
+
+    Args:
+        module: the layers, in order.
+        balance: the number of layers in each partition, e.g. ``[3, 2]``.
+        devices: one device per partition (default: the CUDA devices, or ``'cpu'`` for every
+            partition); a device may repeat. Several ``'cpu'`` partitions run concurrently, each
+            with its share of the intra-op threads.
+        chunks: the number of micro-batches M a mini-batch is split into.
+        checkpoint: which micro-batches are re-materialized: ``'always'``, ``'except_last'`` or
+            ``'never'``.
+        deferred_batch_norm: normalize each micro-batch with its own statistics but update the
+            running statistics once per mini-batch (see :class:`gpipe.DeferredBatchNorm`).
+        cpu_threads: intra-op threads for each partition on a CPU device (not in torchgpipe).
+            By default the caller's threads are shared out among the CPU partitions. CPU kernels
+            may sum in another order with another thread count, so fix this (e.g. to 1) for
+            gradients bitwise identical across partition counts on CPU.
+
+    Example::
+
+        model = nn.Sequential(a, b, c, d)
+        model = GPipe(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=8)
+        loss = criterion(model(x), y)
+        loss.backward()
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        devices: Sequence[torch.device | str | int] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        cpu_threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
+                "list its layers in an nn.Sequential"
+            )
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+            raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})")
+        self.checkpoint = check_mode(checkpoint)
+        self.balance = check_balance(module, balance)
+        self.chunks = chunks
+        self.devices = resolve_devices(devices, len(self.balance))
+        if deferred_batch_norm:
+            module = DeferredBatchNorm.convert_deferred_batch_norm(module)  # type: ignore[assignment]
+        self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        self._executor = LocalExecutor(
+            stages_of(list(self.partitions), self.devices),  # type: ignore[arg-type]
+            cpu_threads=cpu_threads,
+        )
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self)
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"layer index {index} out of range for {len(layers)} layers")
+        return layers[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from cast(nn.Sequential, partition)
+
+    def cuda(self, device: Any = None) -> GPipe:
+        raise MovingPartitionError(_MOVE_HINT)
+
+    def cpu(self) -> GPipe:
+        raise MovingPartitionError(_MOVE_HINT)
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            raise MovingPartitionError(_MOVE_HINT)
+        return super().to(*args, **kwargs)
+
+    def forward(self, input: Any) -> Any:
+        """Run the mini-batch ``input`` (a tensor or a tuple) through the pipeline."""
+        batches = scatter(input, self.chunks)
+        schedule = _fill_drain(len(self.partitions), len(batches))
+        inputs = (input,) if isinstance(input, Tensor) else tuple(input)
+        needs_grad = [isinstance(v, Tensor) and v.requires_grad for v in inputs]
+        with torch.set_grad_enabled(
+            torch.is_grad_enabled() and (any(needs_grad) or any(p.requires_grad for p in self.parameters()))
+        ):
+            ctx = StepContext.capture(
+                num_microbatches=len(batches),
+                checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches)),
+                training=self.training,
+                seed=step_seed(),
+            )
+        run, outputs = self._executor.forward(schedule, batches, ctx)
+        if not ctx.grad_enabled:
+            return gather(outputs)
+        backprop = _Backprop(self._executor, schedule, run, outputs, inputs, needs_grad)
+        phony = torch.empty(0, requires_grad=True)  # makes autograd call the backward half
+        tensors = _PipelineBackward.apply(backprop, phony, *backprop.grad_inputs)  # type: ignore[no-untyped-call]
+        return backprop.assemble(tensors)
+
+
+_MOVE_HINT = (
+    "GPipe places its partitions on their devices when it is built and does not move them; "
+    "pass devices=[...] to GPipe instead"
+)
+
+
+class _Backprop:
+    """The bridge between autograd and the backward half of a step."""
+
+    def __init__(
+        self,
+        executor: LocalExecutor,
+        schedule: Schedule,
+        run: StepRun,
+        outputs: list[Batch],
+        inputs: tuple[Any, ...],
+        needs_grad: list[bool],
+    ) -> None:
+        self.executor, self.schedule, self.run, self.outputs = executor, schedule, run, outputs
+        self.inputs = inputs
+        self.grad_positions = [i for i, n in enumerate(needs_grad) if n]
+        self.grad_inputs = [inputs[i] for i in self.grad_positions]
+        self.tensor_positions = [i for i, v in enumerate(outputs[0].values) if isinstance(v, Tensor)]
+
+    def gathered(self) -> tuple[Tensor, ...]:
+        out = gather(self.outputs)
+        values = (out,) if self.outputs[0].atomic else out
+        return tuple(values[i] for i in self.tensor_positions)
+
+    def assemble(self, tensors: tuple[Tensor, ...]) -> Any:
+        values = list(self.outputs[0].values)
+        for i, t in zip(self.tensor_positions, tensors):
+            values[i] = t
+        return values[0] if self.outputs[0].atomic else tuple(values)
+
+    def backward(self, grads: tuple[Tensor, ...]) -> list[Tensor | None]:
+        per_mb: list[list[Tensor | None]] = [[None] * len(b) for b in self.outputs]
+        for i, g in zip(self.tensor_positions, grads):
+            sizes = [b.values[i].size(0) if b.values[i].dim() else 1 for b in self.outputs]
+            parts = torch.split(g, sizes) if self.outputs[0].values[i].dim() else g.unbind(0)
+            for m, part in enumerate(parts):
+                per_mb[m][i] = part
+        mb_grads: list[Grads] = [tuple(g) for g in per_mb]
+        inline = any(s.device.type == "cuda" for s in self.executor.stages)
+        input_grads = self.executor.backward(self.schedule, self.run, mb_grads, inline=inline)
+        result: list[Tensor | None] = []
+        for i in self.grad_positions:
+            grads_i = [g[i] for g in input_grads]
+            if all(p is None for p in grads_i):
+                result.append(None)
+                continue
+            chunks = self.inputs[i].chunk(len(grads_i))
+            filled = [torch.zeros_like(c) if p is None else p for p, c in zip(grads_i, chunks)]
+            result.append(torch.cat(filled).to(self.inputs[i].device))
+        return result
+
+
+class _PipelineBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, backprop: _Backprop, phony: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.backprop = backprop
+        outputs = backprop.gathered()
+        ctx.mark_non_differentiable(*(t for t in outputs if not (t.is_floating_point() or t.is_complex())))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        backprop: _Backprop | None = getattr(ctx, "backprop", None)
+        if backprop is None:
+            raise RuntimeError(
+                "trying to backward through a GPipe output a second time: the pipeline's saved "
+                "activations were freed by the first backward; run the forward again"
+            )
+        del ctx.backprop
+        return (None, None, *backprop.backward(grads))

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe import DeferredBatchNorm, GPipe
+
+
+def bn_model(first_stage: bool = True) -> nn.Sequential:
+    """One BatchNorm (so its input is the same in plain and pipelined runs), on stage 0 or stage 1."""
+    conv1, conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+    if first_stage:
+        return nn.Sequential(conv1, nn.BatchNorm2d(4), nn.ReLU(), conv2, nn.ReLU())
+    return nn.Sequential(conv1, nn.ReLU(), conv2, nn.BatchNorm2d(4), nn.ReLU())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("first_stage", [True, False])
+def test_running_stats_equal_plain_batch_norm_on_whole_minibatch(
+    checkpoint: str, momentum: float | None, first_stage: bool
+) -> None:
+    torch.manual_seed(0)
+    plain = bn_model(first_stage)
+    for m in plain.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = momentum
+    gp = GPipe(
+        copy.deepcopy(plain), [2, 3], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint, deferred_batch_norm=True
+    )
+    for _ in range(3):  # three steps: the running averages compound
+        x = torch.randn(16, 3, 6, 6) * 2 + 1
+        plain(x).mean().backward()
+        gp(x).mean().backward()
+    plain_bns = [m for m in plain.modules() if isinstance(m, nn.BatchNorm2d)]
+    gp_bns = [m for m in gp.modules() if isinstance(m, DeferredBatchNorm)]
+    assert len(gp_bns) == 1
+    for a, b in zip(plain_bns, gp_bns):
+        torch.testing.assert_close(b.running_mean, a.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b.running_var, a.running_var, rtol=1e-5, atol=1e-6)
+        assert int(b.num_batches_tracked) == int(a.num_batches_tracked) == 3
+
+
+def test_each_microbatch_normalized_with_its_own_statistics() -> None:
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5))
+    gp = GPipe(copy.deepcopy(plain), [1, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(16, 5)
+    expected = torch.cat([copy.deepcopy(plain)(c) for c in x.chunk(4)])
+    torch.testing.assert_close(gp(x), expected)
+
+
+def test_eval_uses_running_statistics() -> None:
+    torch.manual_seed(2)
+    plain = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5))
+    gp = GPipe(copy.deepcopy(plain), [1, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(16, 5)
+    plain(x)
+    gp(x)
+    plain.eval()
+    gp.eval()
+    y = torch.randn(8, 5)
+    torch.testing.assert_close(gp(y), plain(y))
+
+
+def test_without_deferred_batch_norm_modules_are_unchanged() -> None:
+    gp = GPipe(bn_model(), [2, 3], devices=["cpu", "cpu"], chunks=2)
+    assert not any(isinstance(m, DeferredBatchNorm) for m in gp.modules())

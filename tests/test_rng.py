@@ -1,0 +1,91 @@
+"""Random numbers follow (layer, micro-batch), not partitions, schedule order or checkpoint mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gpipe.rng import derive_seed, layer_randomness
+from tests.helpers import assert_all_equal, pipe, step
+from tests.test_transparency import conv_stack
+
+
+def test_dropout_bitwise_across_partitions_and_checkpoint_modes() -> None:
+    torch.manual_seed(0)
+    model = conv_stack(dropout=0.3)
+    x = torch.randn(16, 1, 8, 8)
+    results = {}
+    for k in (1, 2, 4):
+        for mode in ("always", "except_last", "never"):
+            torch.manual_seed(123)
+            out, g = step(pipe(model, k, chunks=8, checkpoint=mode, cpu_threads=1), x)
+            results[(k, mode)] = (out, g)
+    ref_out, ref_g = results[(1, "never")]
+    for key, (out, g) in results.items():
+        assert torch.equal(out, ref_out), key
+        assert_all_equal(g, ref_g)
+    # Not vacuous: another seed draws other masks and so other gradients.
+    torch.manual_seed(124)
+    _, other = step(pipe(model, 2, chunks=8, cpu_threads=1), x)
+    assert not all(torch.equal(a, b) for a, b in zip(other, ref_g))
+
+
+def test_dropout_masks_actually_drop_and_vary_per_microbatch_and_step() -> None:
+    model = nn.Sequential(nn.Identity(), nn.Dropout(0.5))
+    gp = pipe(model, 2, chunks=4)
+    x = torch.ones(8, 1000)
+    torch.manual_seed(0)
+    a = gp(x)
+    b = gp(x)
+    assert (a == 0).float().mean().item() == pytest.approx(0.5, abs=0.05)
+    assert not torch.equal(a[:2], a[2:4]), "micro-batches must draw different masks"
+    assert not torch.equal(a, b), "successive steps must draw fresh masks"
+    torch.manual_seed(0)
+    assert torch.equal(gp(x), a), "torch.manual_seed must make a step reproducible"
+
+
+def test_recomputation_replays_forward_randomness() -> None:
+    """With re-materialization the backward must see the same mask as the forward: the gradient of
+    sum(dropout(x)) w.r.t. x is exactly the mask scaled by 1/(1-p)."""
+    x = torch.ones(8, 64, requires_grad=True)
+    gp = pipe(nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)), 1, chunks=4, checkpoint="always")
+    nn.init.eye_(gp[0].weight)
+    nn.init.zeros_(gp[0].bias)
+    out = gp(x)
+    out.sum().backward()
+    expected = (out != 0).float() * 2.0
+    assert torch.equal(x.grad, expected)  # type: ignore[arg-type]
+
+
+def test_any_random_op_is_seeded_per_layer() -> None:
+    class Noise(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x + torch.rand(x.shape) + torch.randn_like(x) + torch.randperm(x.size(1)).float()
+
+    model = nn.Sequential(Noise(), Noise(), Noise(), Noise())
+    x = torch.zeros(6, 5)
+    outs = []
+    for k in (1, 2, 4):
+        torch.manual_seed(7)
+        outs.append(pipe(model, k, chunks=3)(x))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_layer_randomness_is_thread_local_and_restores_the_default_generator() -> None:
+    torch.manual_seed(1)
+    expected_after = torch.rand(3)
+    torch.manual_seed(1)
+    with layer_randomness(derive_seed(5, 1, 2)):
+        a = torch.rand(4)  # the swap path (aten.rand has no generator argument)
+        b = torch.empty(4).bernoulli_(0.5)  # the generator-argument path
+    with layer_randomness(derive_seed(5, 1, 2)):
+        assert torch.equal(torch.rand(4), a)
+        assert torch.equal(torch.empty(4).bernoulli_(0.5), b)
+    assert torch.equal(torch.rand(3), expected_after), "the user's generator stream must be untouched"
+
+
+def test_derived_seeds_differ() -> None:
+    seeds = {derive_seed(s, layer, m) for s in range(3) for layer in range(10) for m in range(10)}
+    assert len(seeds) == 300
+    assert all(0 <= s < 2**63 for s in seeds)
