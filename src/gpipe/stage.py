@@ -93,7 +93,8 @@ class Stage:
         return tuple(None if g is None else self._to_device(g) for g in values)
 
     def _to_device(self, t: Tensor) -> Tensor:
-        return t.to(self.device, non_blocking=True)
+        # Asynchronous only towards a GPU: a copy to the CPU must be complete before it is read.
+        return t.to(self.device, non_blocking=self.device.type == "cuda")
 
     def _run(self, m: int, batch: Batch, ctx: StepContext) -> Batch:
         value = batch.value
