@@ -5,8 +5,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpipe.schedule import (
-    B,
-    F,
     Schedule,
     ScheduleError,
     execution_order,
@@ -15,6 +13,7 @@ from gpipe.schedule import (
     simulate,
     validate,
 )
+from gpipe.schedule.ir import B, F
 
 
 @settings(max_examples=100, deadline=None)
@@ -70,7 +69,9 @@ def test_validator_rejects_duplicate() -> None:
 
 def test_validator_rejects_backward_before_forward() -> None:
     s = _schedule([F(0, 0), B(1, 0), F(1, 0), B(0, 0)], [F(0, 1), F(1, 1), B(1, 1), B(0, 1)])
-    with pytest.raises(ScheduleError, match=r"B1@stage0 at worker 0, position 1 comes before its forward"):
+    with pytest.raises(
+        ScheduleError, match=r"B1@stage0 at worker 0, position 1 comes before F1@stage0, which it needs"
+    ):
         validate(s)
 
 

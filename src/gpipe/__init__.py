@@ -7,14 +7,18 @@ schedule IR in :mod:`gpipe.schedule`.
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
+from gpipe.pipeline import Pipeline
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
+from gpipe.trace import StepTrace
 
 __all__ = [
     "DeferredBatchNorm",
     "GPipe",
     "MovingPartitionError",
+    "Pipeline",
     "Schedule",
     "ScheduleError",
+    "StepTrace",
     "is_checkpointing",
     "is_recomputing",
     "make_schedule",

@@ -1,8 +1,8 @@
 """The local executor: runs a schedule over stages placed on the devices of one process.
 
-Each stage gets a worker thread of its own; a worker runs its stage's list of actions from the
+Each worker of the schedule gets a thread of its own; a worker runs its list of actions from the
 schedule IR in order and waits only for the data an action consumes (an activation from the previous
-stage, a gradient from the next). Torch releases the GIL in its kernels, so stages on different
+stage, a gradient from the next). Torch releases the GIL in its kernels, so workers on different
 devices — including several ``'cpu'`` devices, each worker then using its share of the intra-op
 threads — run concurrently.
 
@@ -10,8 +10,8 @@ Boundary tensors are moved to the consuming stage's device with ``Tensor.to``, w
 after the producer's work on the devices' current streams.
 
 When a worker raises, every other worker stops at its next wait, all of them are joined, and the
-original exception (with its traceback, and a note naming the stage and action) reaches the caller.
-No worker outlives the call.
+original exception (with its traceback, and a note naming the action) reaches the caller. No worker
+outlives the call.
 
 A schedule can also run *inline*: in the calling thread, action by action in an order that respects
 every dependency. The autograd-driven :class:`gpipe.GPipe` does so for its backward on CUDA devices,
@@ -21,6 +21,7 @@ where backward is entered from autograd's own device threads.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,10 @@ from typing import Any
 import torch
 
 from gpipe.microbatch import Batch
-from gpipe.schedule import Action, ActionKind, Schedule, execution_order
+from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
 from gpipe.stage import Grads, Saved, Stage, StepContext
 
-__all__ = ["LocalExecutor", "StepRun"]
+__all__ = ["LocalExecutor", "StepRun", "TraceEvent"]
 
 
 class _AbortedError(Exception):
@@ -69,6 +70,16 @@ class _Mailbox:
             self._cond.notify_all()
 
 
+@dataclass(frozen=True)
+class TraceEvent:
+    """One executed action: on which worker, and when (``time.perf_counter_ns``)."""
+
+    worker: int
+    action: Action
+    start_ns: int
+    end_ns: int
+
+
 @dataclass
 class StepRun:
     """The state of one step: its context, what forwards saved for backwards, and the results."""
@@ -76,10 +87,13 @@ class StepRun:
     ctx: StepContext
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     mailbox: _Mailbox = field(default_factory=_Mailbox)
+    split: frozenset[tuple[int, int]] = frozenset()
+    trace: list[TraceEvent] = field(default_factory=list)
 
 
 class LocalExecutor:
-    """Runs schedules over ``stages`` (stage ``s`` on worker ``s``) in one process.
+    """Runs schedules over ``stages`` in one process; a stage runs on the worker whose action list
+    holds it, and a worker's stages must share a device.
 
     ``cpu_threads`` is the number of intra-op threads each worker on a CPU device uses; by default
     the caller's threads (``torch.get_num_threads()``) are shared out among the CPU workers. CPU
@@ -104,35 +118,41 @@ class LocalExecutor:
         else:
             self._run_threaded(schedule, run)
 
+    def _device(self, actions: Sequence[Action]) -> torch.device:
+        devices = {self.stages[a.stage].device for a in actions}
+        if len(devices) != 1:
+            raise ValueError(f"the stages of one worker must share a device, got {sorted(map(str, devices))}")
+        return devices.pop()
+
     def _run_inline(self, schedule: Schedule, run: StepRun) -> None:
         threads_before = torch.get_num_threads()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
         try:
+            worker = schedule.worker_of()
             for action in execution_order(schedule):
                 with run.ctx.applied(self.stages[action.stage].device):
-                    self._execute(action, run)
+                    self._timed(worker[action.stage], action, run)
             for acts in schedule.actions:
                 self._finish(acts, run)
         finally:
             torch.set_num_threads(threads_before)
 
     def _run_threaded(self, schedule: Schedule, run: StepRun) -> None:
-        workers = [self.stages[a[0].stage] for a in schedule.actions if a]
-        cpu_workers = sum(1 for s in workers if s.device.type == "cpu")
+        lists = [(w, acts, self._device(acts)) for w, acts in enumerate(schedule.actions) if acts]
+        cpu_workers = sum(1 for _, _, d in lists if d.type == "cpu")
         threads_before = torch.get_num_threads()
         threads = self.cpu_threads or max(1, threads_before // max(1, cpu_workers))
         errors: list[BaseException] = []
 
-        def work(actions: tuple[Action, ...]) -> None:
-            device = self.stages[actions[0].stage].device
+        def work(w: int, actions: tuple[Action, ...], device: torch.device) -> None:
             try:
                 if device.type == "cpu":
                     torch.set_num_threads(threads)
                 with run.ctx.applied(device):
                     for action in actions:
                         try:
-                            self._execute(action, run)
+                            self._timed(w, action, run)
                         except _AbortedError:
                             return
                         except BaseException as exc:
@@ -143,11 +163,7 @@ class LocalExecutor:
                 errors.append(exc)
                 run.mailbox.fail()
 
-        pool = [
-            threading.Thread(target=work, args=(acts,), name=f"gpipe-worker-{w}")
-            for w, acts in enumerate(schedule.actions)
-            if acts
-        ]
+        pool = [threading.Thread(target=work, args=item, name=f"gpipe-worker-{item[0]}") for item in lists]
         try:
             for t in pool:
                 t.start()
@@ -167,25 +183,40 @@ class LocalExecutor:
         if errors:
             raise errors[0]
 
+    def _timed(self, worker: int, action: Action, run: StepRun) -> None:
+        start = time.perf_counter_ns()
+        self._execute(action, run)
+        run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
+
     def _execute(self, action: Action, run: StepRun) -> None:
         stage = self.stages[action.stage]
         m, s = action.microbatch, action.stage
-        if action.kind is ActionKind.FORWARD:
+        kind = action.kind
+        if kind is ActionKind.FORWARD:
             batch = stage.receive(run.mailbox.get(("act", m, s)))
             with torch.set_grad_enabled(run.ctx.grad_enabled):
-                out, saved = stage.forward(m, batch, run.ctx)
+                out, saved = stage.forward(m, batch, run.ctx, split=(s, m) in run.split)
             if saved is not None:
                 run.saved[(s, m)] = saved
             run.mailbox.put(("act", m, s + 1), out)
+            return
+        saved = run.saved.get((s, m))
+        if saved is None:
+            raise RuntimeError(
+                f"no saved forward for {action}: was the forward run without autograd "
+                "(torch.no_grad) or is backward running twice?"
+            )
+        if kind is ActionKind.BACKWARD_WEIGHT:
+            stage.backward_weight(m, saved)
+            del run.saved[(s, m)]
+            return
+        grads = stage.receive(run.mailbox.get(("grad", m, s)))
+        if kind is ActionKind.BACKWARD:
+            del run.saved[(s, m)]
+            input_grads = stage.backward(m, saved, grads, run.ctx)
         else:
-            grads = stage.receive(run.mailbox.get(("grad", m, s)))
-            saved = run.saved.pop((s, m), None)
-            if saved is None:
-                raise RuntimeError(
-                    f"no saved forward for {action}: was the forward run without autograd "
-                    "(torch.no_grad) or is backward running twice?"
-                )
-            run.mailbox.put(("grad", m, s - 1), stage.backward(m, saved, grads, run.ctx))
+            input_grads = stage.backward_input(m, saved, grads, run.ctx)
+        run.mailbox.put(("grad", m, s - 1), input_grads)
 
     def _finish(self, actions: Sequence[Action], run: StepRun) -> None:
         if run.ctx.training and any(a.kind is ActionKind.FORWARD for a in actions):
@@ -213,3 +244,16 @@ class LocalExecutor:
             run.mailbox.put(("grad", m, last), g)
         self.run(schedule.only(ActionKind.BACKWARD), run, inline=inline)
         return [run.mailbox.get(("grad", m, -1)) for m in range(len(grads))]
+
+    def step(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
+        """Run a whole training step (every action of ``schedule``), the last stage computing the
+        loss; return the step and each micro-batch's (scaled) loss."""
+        run = StepRun(
+            ctx, split=frozenset((a.stage, a.microbatch) for a in schedule if a.kind is ActionKind.BACKWARD_INPUT)
+        )
+        last = len(self.stages)
+        for m, batch in enumerate(batches):
+            run.mailbox.put(("act", m, 0), batch)
+            run.mailbox.put(("grad", m, last - 1), (torch.ones((), device=self.stages[-1].device),))
+        self.run(schedule, run)
+        return run, [run.mailbox.get(("act", m, last)) for m in range(len(batches))]

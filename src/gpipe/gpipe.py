@@ -16,11 +16,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.executor import LocalExecutor, StepRun
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import check_balance, resolve_devices, split_module
+from gpipe.partition import check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.stage import Grads, StepContext, stages_of
@@ -76,20 +75,12 @@ class GPipe(nn.Module):
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
-                "list its layers in an nn.Sequential"
-            )
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})")
         self.checkpoint = check_mode(checkpoint)
-        self.balance = check_balance(module, balance)
-        self.chunks = chunks
-        self.devices = resolve_devices(devices, len(self.balance))
-        if deferred_batch_norm:
-            module = DeferredBatchNorm.convert_deferred_batch_norm(module)  # type: ignore[assignment]
-        self.partitions = nn.ModuleList(split_module(module, self.balance, self.devices))
+        self.chunks = check_chunks(chunks)
+        self.balance, self.devices, partitions = partition(
+            module, balance, devices, deferred_batch_norm=deferred_batch_norm
+        )
+        self.partitions = nn.ModuleList(partitions)
         self._executor = LocalExecutor(
             stages_of(list(self.partitions), self.devices),  # type: ignore[arg-type]
             cpu_threads=cpu_threads,
@@ -105,8 +96,8 @@ class GPipe(nn.Module):
         return layers[index]
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self.partitions:
-            yield from cast(nn.Sequential, partition)
+        for part in self.partitions:
+            yield from cast(nn.Sequential, part)
 
     def cuda(self, device: Any = None) -> GPipe:
         raise MovingPartitionError(_MOVE_HINT)

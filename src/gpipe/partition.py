@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.batchnorm import DeferredBatchNorm
+
 __all__ = ["check_balance", "resolve_devices", "split_module"]
 
 _BALANCE_HINT = (
@@ -83,3 +85,37 @@ def _claim(table: dict[int, tuple[int, str]], key: int, k: int, what: str, kind:
             "a module or parameter may not be shared between partitions"
         )
     table.setdefault(key, (k, what))
+
+
+def check_chunks(chunks: Any) -> int:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+        raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})")
+    return chunks
+
+
+def partition(
+    module: nn.Sequential,
+    balance: Any,
+    devices: Sequence[Any] | None,
+    *,
+    virtual: int = 1,
+    deferred_batch_norm: bool = False,
+) -> tuple[list[int], list[torch.device], list[nn.Sequential]]:
+    """Check and cut ``module`` into ``len(balance)`` stages over ``len(balance) // virtual`` devices
+    (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
+            "list its layers in an nn.Sequential"
+        )
+    balance = check_balance(module, balance)
+    if not isinstance(virtual, int) or virtual <= 0 or len(balance) % virtual:
+        raise ValueError(
+            f"the number of stages must be a multiple of the virtual stages per device "
+            f"(stages: {len(balance)}, virtual: {virtual}); give one balance entry per stage"
+        )
+    workers = resolve_devices(devices, len(balance) // virtual)
+    if deferred_batch_norm:
+        DeferredBatchNorm.convert_deferred_batch_norm(module)
+    stage_devices = [workers[s % len(workers)] for s in range(len(balance))]
+    return balance, workers, split_module(module, balance, stage_devices)

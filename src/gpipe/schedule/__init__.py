@@ -1,0 +1,41 @@
+"""Schedules as verified data: the IR, its generators, the simulator and pictures.
+
+Generate → validate → simulate → render → execute::
+
+    >>> from gpipe.schedule import make_schedule, simulate
+    >>> sim = simulate(make_schedule("1f1b", 4, 8))
+    >>> round(sim.bubble, 3), sim.peak_in_flight
+    (0.273, (4, 3, 2, 1))
+"""
+
+from gpipe.schedule.generate import SCHEDULES, fill_drain, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from gpipe.schedule.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    dependencies,
+    execution_order,
+    validate,
+)
+from gpipe.schedule.simulate import Simulation, kind_cost, simulate, unit_cost
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "Simulation",
+    "dependencies",
+    "execution_order",
+    "fill_drain",
+    "interleaved_1f1b",
+    "kind_cost",
+    "make_schedule",
+    "one_f_one_b",
+    "simulate",
+    "unit_cost",
+    "validate",
+    "zb_h1",
+]

@@ -1,0 +1,236 @@
+"""The schedule IR: a pipeline schedule as plain data.
+
+A schedule says, for every worker (a device in one process, or a rank), the ordered list of actions it
+runs in one training step. An action is one of
+
+=====  ==========================================================================================
+F      forward of micro-batch ``m`` on stage ``s``
+B      full backward (input and weight gradients) of ``m`` on ``s``
+I      backward for the *input* gradient only (the zero-bubble papers' "B")
+W      backward for the *weight* gradient, after I of the same micro-batch and stage
+=====  ==========================================================================================
+
+Dependencies are implied by the model and are the same for every schedule::
+
+    F(m, s)    needs F(m, s-1)                   the activation from the previous stage
+    B|I(m, s)  needs F(m, s) and B|I(m, s+1)     its own forward, the gradient from the next stage
+    W(m, s)    needs I(m, s)
+
+With virtual stages (interleaved schedules) a worker holds several stages; stage ``s`` is wherever its
+actions are. Schedules are generated (:mod:`gpipe.schedule.generate`), validated here, simulated
+(:mod:`gpipe.schedule.simulate`) and then executed; executors only ever see this IR.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "dependencies",
+    "execution_order",
+    "validate",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run: a missing, duplicate or misplaced action, or a deadlock."""
+
+
+class ActionKind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of work on one stage: ``kind`` of micro-batch ``microbatch`` on ``stage``."""
+
+    kind: ActionKind
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch}@stage{self.stage}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.value}{self.microbatch}"
+
+
+def F(microbatch: int, stage: int) -> Action:  # noqa: N802 - the paper's letters
+    return Action(ActionKind.FORWARD, microbatch, stage)
+
+
+def B(microbatch: int, stage: int) -> Action:  # noqa: N802
+    return Action(ActionKind.BACKWARD, microbatch, stage)
+
+
+def I(microbatch: int, stage: int) -> Action:  # noqa: N802, E743
+    return Action(ActionKind.BACKWARD_INPUT, microbatch, stage)
+
+
+def W(microbatch: int, stage: int) -> Action:  # noqa: N802
+    return Action(ActionKind.BACKWARD_WEIGHT, microbatch, stage)
+
+
+BACKWARDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+"""The kinds that produce the gradient a previous stage waits for."""
+
+RELEASES = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
+"""The kinds after which a micro-batch's activations on a stage are freed."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per worker, the ordered actions of one step.
+
+    ``actions[w]`` is worker ``w``'s list; ``num_stages`` counts virtual stages (``num_workers *
+    virtual`` for an interleaved schedule).
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.actions)
+
+    def worker_of(self) -> dict[int, int]:
+        """Which worker runs each stage."""
+        return {a.stage: w for w, acts in enumerate(self.actions) for a in acts}
+
+    def only(self, *kinds: ActionKind) -> Schedule:
+        """The same schedule with only the actions of ``kinds`` (a phase of a fill-drain step)."""
+        acts = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, acts)
+
+    def __iter__(self) -> Iterator[Action]:
+        return (a for acts in self.actions for a in acts)
+
+
+def dependencies(action: Action, schedule: Schedule, present: set[Action] | None = None) -> tuple[Action, ...]:
+    """The actions of ``schedule`` whose results ``action`` consumes."""
+    present = present if present is not None else set(schedule)
+    m, s = action.microbatch, action.stage
+    if action.kind is ActionKind.FORWARD:
+        deps = [F(m, s - 1)] if s > 0 else []
+    elif action.kind is ActionKind.BACKWARD_WEIGHT:
+        deps = [I(m, s)]
+    else:
+        deps = [F(m, s)]
+        if s < schedule.num_stages - 1:
+            deps.append(I(m, s + 1) if I(m, s + 1) in present else B(m, s + 1))
+    return tuple(d for d in deps if d in present)
+
+
+def check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages <= 0 or num_microbatches <= 0:
+        raise ValueError(
+            "a schedule needs at least one stage and one micro-batch "
+            f"(stages: {num_stages}, micro-batches: {num_microbatches})"
+        )
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` pointing at the first offending action, if any."""
+    check_sizes(schedule.num_stages, schedule.num_microbatches)
+    seen: dict[Action, tuple[int, int]] = {}
+    stage_worker: dict[int, int] = {}
+    for w, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            where = f"worker {w}, position {i}"
+            _check_action(schedule, a, where, seen, stage_worker, w)
+            seen[a] = (w, i)
+    for s in range(schedule.num_stages):
+        for m in range(schedule.num_microbatches):
+            _check_complete(schedule, m, s, seen)
+    _walk(schedule, lambda a: 1.0)
+
+
+def _check_action(
+    schedule: Schedule,
+    a: Action,
+    where: str,
+    seen: dict[Action, tuple[int, int]],
+    stage_worker: dict[int, int],
+    w: int,
+) -> None:
+    if not (0 <= a.stage < schedule.num_stages and 0 <= a.microbatch < schedule.num_microbatches):
+        raise ScheduleError(
+            f"{a} at {where} is out of range "
+            f"(stages: {schedule.num_stages}, micro-batches: {schedule.num_microbatches})"
+        )
+    if a in seen:
+        raise ScheduleError(f"{a} at {where} is a duplicate of worker {seen[a][0]}, position {seen[a][1]}")
+    if stage_worker.setdefault(a.stage, w) != w:
+        raise ScheduleError(f"{a} at {where}: stage {a.stage} already runs on worker {stage_worker[a.stage]}")
+    before = I(a.microbatch, a.stage) if a.kind is ActionKind.BACKWARD_WEIGHT else F(a.microbatch, a.stage)
+    if a.kind is not ActionKind.FORWARD and before not in seen:
+        raise ScheduleError(f"{a} at {where} comes before {before}, which it needs")
+
+
+def _check_complete(schedule: Schedule, m: int, s: int, seen: dict[Action, tuple[int, int]]) -> None:
+    def need(a: Action, why: str) -> None:
+        if a not in seen:
+            raise ScheduleError(f"schedule {schedule.name!r} has no {a}: {why}")
+
+    need(F(m, s), "every stage needs the forward of every micro-batch")
+    if B(m, s) in seen:
+        for split in (I(m, s), W(m, s)):
+            if split in seen:
+                raise ScheduleError(f"schedule {schedule.name!r} has both {B(m, s)} and {split}: use B, or I and W")
+    elif I(m, s) in seen:
+        need(W(m, s), f"{I(m, s)} computes only the input gradient")
+    elif W(m, s) in seen:
+        need(I(m, s), f"{W(m, s)} needs the input-gradient pass first")
+    else:
+        need(B(m, s), "every stage needs the backward of every micro-batch (B, or I and W)")
+
+
+def _walk(schedule: Schedule, cost: Callable[[Action], float]) -> dict[Action, tuple[float, float]]:
+    """Start and end time of every action when each worker runs its list in order and waits for
+    dependencies. Dependencies outside the schedule (an earlier phase's) count as done. Raises
+    :class:`ScheduleError` on a deadlock."""
+    present = set(schedule)
+    deps_of = {a: dependencies(a, schedule, present) for a in present}
+    spans: dict[Action, tuple[float, float]] = {}
+    pos = [0] * schedule.num_workers
+    free = [0.0] * schedule.num_workers
+    progress = True
+    while progress:
+        progress = False
+        for w, acts in enumerate(schedule.actions):
+            while pos[w] < len(acts):
+                a = acts[pos[w]]
+                if any(d not in spans for d in deps_of[a]):
+                    break
+                start = max([free[w], *(spans[d][1] for d in deps_of[a])])
+                free[w] = start + cost(a)
+                spans[a] = (start, free[w])
+                pos[w] += 1
+                progress = True
+    stuck = [
+        f"worker {w} at {acts[pos[w]]} (waits for {', '.join(str(d) for d in deps_of[acts[pos[w]]] if d not in spans)})"
+        for w, acts in enumerate(schedule.actions)
+        if pos[w] < len(acts)
+    ]
+    if stuck:
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
+    return spans
+
+
+def execution_order(schedule: Schedule) -> list[Action]:
+    """All actions in one sequence that respects every dependency and every worker's order (for
+    running a schedule, or a phase of one, on a single thread)."""
+    spans = _walk(schedule, lambda a: 1.0)
+    return sorted(spans, key=lambda a: spans[a])

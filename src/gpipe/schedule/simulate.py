@@ -1,0 +1,95 @@
+"""The simulator: a schedule's timeline from per-action costs.
+
+Each worker runs its actions in order; an action starts as soon as its worker is free and the actions
+it depends on have ended. From the timeline: the makespan, every worker's busy and idle time, the
+bubble (the idle fraction of the step), and the peak number of micro-batches whose activations a
+worker holds (counted from a forward to the backward that frees them: B, or W after a split backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, _walk, validate
+
+__all__ = ["Simulation", "kind_cost", "simulate", "unit_cost"]
+
+Cost = Callable[[Action], float]
+
+
+def unit_cost(action: Action) -> float:
+    """Every action takes one unit of time."""
+    return 1.0
+
+
+def kind_cost(**costs: float) -> Cost:
+    """Costs by kind, e.g. ``kind_cost(F=1, B=2, I=1, W=1)``; a kind not named costs 1."""
+    return lambda a: float(costs.get(a.kind.value, 1.0))
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A schedule's timeline under given action costs (``spans``: action → (start, end))."""
+
+    schedule: Schedule
+    spans: Mapping[Action, tuple[float, float]]
+
+    @property
+    def makespan(self) -> float:
+        return max(end for _, end in self.spans.values()) - min(start for start, _ in self.spans.values())
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        return tuple(sum(self.spans[a][1] - self.spans[a][0] for a in acts) for acts in self.schedule.actions)
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Idle time of each worker within the step (the bubble's size)."""
+        return tuple(self.makespan - b for b in self.busy)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of all workers over the step."""
+        return sum(self.idle) / (len(self.busy) * self.makespan)
+
+    @property
+    def worker_bubble(self) -> tuple[float, ...]:
+        return tuple(i / self.makespan for i in self.idle)
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per worker, the most micro-batches (over all its stages) holding activations at once."""
+        return tuple(peak_in_flight(acts) for acts in self.schedule.actions)
+
+    def text(self) -> str:
+        """The timeline as a small table: one row per worker, one column per unit of time (for
+        schedules simulated with integer costs)."""
+        origin = min(start for start, _ in self.spans.values())
+        width = max(len(a.label) for a in self.spans) + 1
+        rows = []
+        for w, acts in enumerate(self.schedule.actions):
+            cells = [".".ljust(width)] * round(self.makespan)
+            for a in acts:
+                start, end = self.spans[a]
+                for t in range(round(start - origin), round(end - origin)):
+                    cells[t] = a.label.ljust(width)
+            rows.append(f"worker {w} | " + "".join(cells).rstrip())
+        return "\n".join(rows)
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    live = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind in RELEASES:
+            live -= 1
+    return peak
+
+
+def simulate(schedule: Schedule, cost: Cost | None = None) -> Simulation:
+    """Run ``schedule`` on paper with ``cost(action)`` per action (1 by default)."""
+    validate(schedule)
+    return Simulation(schedule, _walk(schedule, cost or unit_cost))
