@@ -2,6 +2,9 @@
 
 ``gpipe demo`` trains a small model with the pipeline on synthetic data, printing the schedule, its
 bubble and the loss of every step.
+
+``gpipe schedule --schedule 1f1b --stages 4 --chunks 8 [--virtual 2] [--out timeline.png]`` prints a
+schedule's bubble and peak in-flight activations and draws its timeline.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 from gpipe.gpipe import GPipe
-from gpipe.schedule import make_schedule, simulate
+from gpipe.schedule import SCHEDULES, kind_cost, make_schedule, render_timeline, simulate
 
 __all__ = ["main"]
 
@@ -67,6 +70,43 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _costs(text: str) -> dict[str, float]:
+    costs = {}
+    for item in filter(None, text.split(",")):
+        kind, _, value = item.partition("=")
+        if kind not in ("F", "B", "I", "W") or not value:
+            raise argparse.ArgumentTypeError(f"expected KIND=COST with KIND one of F, B, I, W (got {item!r})")
+        try:
+            costs[kind] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cost of {kind} is not a number (got {value!r})") from None
+        if costs[kind] <= 0:
+            raise argparse.ArgumentTypeError(f"cost of {kind} must be positive (got {value})")
+    return costs
+
+
+def schedule(args: argparse.Namespace) -> int:
+    try:
+        sched = make_schedule(args.schedule, args.stages, args.chunks, args.virtual)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sim = simulate(sched, kind_cost(**args.costs))
+    costs = ", ".join(f"{k}={v:g}" for k, v in {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **args.costs}.items())
+    print(
+        f"schedule {sched.name!r}: K={sched.num_workers} workers, M={sched.num_microbatches} micro-batches, "
+        f"{sched.num_stages} stages; costs {costs}"
+    )
+    print(f"makespan {sim.makespan:g}, bubble {sim.bubble:.4f} ({sim.bubble:.1%})")
+    print("idle per worker: " + ", ".join(f"{i:g}" for i in sim.idle))
+    print("peak in-flight activations per worker: " + ", ".join(map(str, sim.peak_in_flight)))
+    if sim.makespan <= 200 and all(float(c).is_integer() for c in args.costs.values()):
+        print(sim.text())
+    if args.out:
+        print(f"wrote {render_timeline(sim, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline-parallel training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,12 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: 3e-3)")
     d.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     d.set_defaults(func=demo)
+
+    s = sub.add_parser("schedule", help="generate, validate and simulate a schedule; draw its timeline")
+    s.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES), help="the schedule (default: gpipe)")
+    s.add_argument("--stages", type=int, default=4, help="K, pipeline workers (devices) (default: 4)")
+    s.add_argument("--chunks", type=int, default=8, help="M, micro-batches (default: 8)")
+    s.add_argument("--virtual", type=int, default=1, help="v, stages per worker (interleaved) (default: 1)")
+    s.add_argument("--costs", type=_costs, default={}, help="action costs, e.g. F=1,B=2,I=1,W=1 (default: all 1)")
+    s.add_argument("--out", help="write the timeline picture here (.png or .svg)")
+    s.set_defaults(func=schedule)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes"):
+    for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual"):
         if getattr(args, name, 1) <= 0:
             print(f"error: --{name} must be positive (got {getattr(args, name)})", file=sys.stderr)
             return 2

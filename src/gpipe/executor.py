@@ -23,11 +23,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch
 from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
 from gpipe.stage import Grads, Saved, Stage, StepContext
@@ -89,6 +91,10 @@ class StepRun:
     mailbox: _Mailbox = field(default_factory=_Mailbox)
     split: frozenset[tuple[int, int]] = frozenset()
     trace: list[TraceEvent] = field(default_factory=list)
+    meter: ActivationMeter | None = None
+
+    def recording(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
+        return self.meter.recording(stage, microbatch) if self.meter is not None else nullcontext()
 
 
 class LocalExecutor:
@@ -132,7 +138,7 @@ class LocalExecutor:
             worker = schedule.worker_of()
             for action in execution_order(schedule):
                 with run.ctx.applied(self.stages[action.stage].device):
-                    self._timed(worker[action.stage], action, run)
+                    self._execute(worker[action.stage], action, run)
             for acts in schedule.actions:
                 self._finish(acts, run)
         finally:
@@ -152,7 +158,7 @@ class LocalExecutor:
                 with run.ctx.applied(device):
                     for action in actions:
                         try:
-                            self._timed(w, action, run)
+                            self._execute(w, action, run)
                         except _AbortedError:
                             return
                         except BaseException as exc:
@@ -183,40 +189,51 @@ class LocalExecutor:
         if errors:
             raise errors[0]
 
-    def _timed(self, worker: int, action: Action, run: StepRun) -> None:
-        start = time.perf_counter_ns()
-        self._execute(action, run)
-        run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
-
-    def _execute(self, action: Action, run: StepRun) -> None:
+    def _execute(self, worker: int, action: Action, run: StepRun) -> None:
+        """Wait for the action's input, run it (timed, for the trace), hand on its result."""
         stage = self.stages[action.stage]
         m, s = action.microbatch, action.stage
         kind = action.kind
         if kind is ActionKind.FORWARD:
-            batch = stage.receive(run.mailbox.get(("act", m, s)))
-            with torch.set_grad_enabled(run.ctx.grad_enabled):
+            batch = run.mailbox.get(("act", m, s))
+            start = time.perf_counter_ns()
+            batch = stage.receive(batch)
+            with torch.set_grad_enabled(run.ctx.grad_enabled), run.recording(s, m):
                 out, saved = stage.forward(m, batch, run.ctx, split=(s, m) in run.split)
             if saved is not None:
                 run.saved[(s, m)] = saved
+                if run.meter is not None and saved.outputs is None:
+                    run.meter.hold(s, m, saved.inputs.tensors())
             run.mailbox.put(("act", m, s + 1), out)
-            return
-        saved = run.saved.get((s, m))
-        if saved is None:
-            raise RuntimeError(
-                f"no saved forward for {action}: was the forward run without autograd "
-                "(torch.no_grad) or is backward running twice?"
-            )
-        if kind is ActionKind.BACKWARD_WEIGHT:
-            stage.backward_weight(m, saved)
-            del run.saved[(s, m)]
-            return
-        grads = stage.receive(run.mailbox.get(("grad", m, s)))
-        if kind is ActionKind.BACKWARD:
-            del run.saved[(s, m)]
-            input_grads = stage.backward(m, saved, grads, run.ctx)
         else:
-            input_grads = stage.backward_input(m, saved, grads, run.ctx)
-        run.mailbox.put(("grad", m, s - 1), input_grads)
+            saved = run.saved.get((s, m))
+            if saved is None:
+                raise RuntimeError(
+                    f"no saved forward for {action}: was the forward run without autograd "
+                    "(torch.no_grad) or is backward running twice?"
+                )
+            if kind is ActionKind.BACKWARD_WEIGHT:
+                start = time.perf_counter_ns()
+                stage.backward_weight(m, saved)
+                self._release(s, m, run)
+            else:
+                grads = run.mailbox.get(("grad", m, s))
+                start = time.perf_counter_ns()
+                grads = stage.receive(grads)
+                with run.recording(s, m):  # a re-materialized forward saves anew
+                    if kind is ActionKind.BACKWARD:
+                        input_grads = stage.backward(m, saved, grads, run.ctx)
+                        self._release(s, m, run)
+                    else:
+                        input_grads = stage.backward_input(m, saved, grads, run.ctx)
+                run.mailbox.put(("grad", m, s - 1), input_grads)
+        run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
+
+    @staticmethod
+    def _release(s: int, m: int, run: StepRun) -> None:
+        del run.saved[(s, m)]
+        if run.meter is not None:
+            run.meter.release(s, m)
 
     def _finish(self, actions: Sequence[Action], run: StepRun) -> None:
         if run.ctx.training and any(a.kind is ActionKind.FORWARD for a in actions):
@@ -245,12 +262,18 @@ class LocalExecutor:
         self.run(schedule.only(ActionKind.BACKWARD), run, inline=inline)
         return [run.mailbox.get(("grad", m, -1)) for m in range(len(grads))]
 
-    def step(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
+    def step(
+        self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext, *, measure_memory: bool = False
+    ) -> tuple[StepRun, list[Batch]]:
         """Run a whole training step (every action of ``schedule``), the last stage computing the
-        loss; return the step and each micro-batch's (scaled) loss."""
-        run = StepRun(
-            ctx, split=frozenset((a.stage, a.microbatch) for a in schedule if a.kind is ActionKind.BACKWARD_INPUT)
-        )
+        loss; return the step and each micro-batch's (scaled) loss. ``measure_memory`` records
+        every worker's activation memory (``run.meter``)."""
+        split = frozenset((a.stage, a.microbatch) for a in schedule if a.kind is ActionKind.BACKWARD_INPUT)
+        meter = None
+        if measure_memory:
+            params = (p for stage in self.stages for p in stage.module.parameters())
+            meter = ActivationMeter(schedule.worker_of(), schedule.num_workers, params)
+        run = StepRun(ctx, split=split, meter=meter)
         last = len(self.stages)
         for m, batch in enumerate(batches):
             run.mailbox.put(("act", m, 0), batch)

@@ -53,6 +53,8 @@ class Pipeline(nn.Module):
         cpu_threads: intra-op threads per CPU worker (default: shared out); fix it for bitwise
             reproducibility across partition counts on CPU.
         deferred_batch_norm: per-micro-batch batch-norm statistics, running averages per mini-batch.
+        measure_memory: record every worker's peak activation memory in each step's trace
+            (``last_trace.peak_activation_bytes``); costs a hook call per saved tensor.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class Pipeline(nn.Module):
         virtual: int = 1,
         cpu_threads: int | None = None,
         deferred_batch_norm: bool = False,
+        measure_memory: bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -85,6 +88,7 @@ class Pipeline(nn.Module):
         stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
         self._executor = LocalExecutor(stages_of(partitions, stage_devices, loss_fn), cpu_threads=cpu_threads)
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
+        self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a few (K, M) per pipeline
@@ -115,8 +119,9 @@ class Pipeline(nn.Module):
                 loss_scale=[n / total for n in sizes],
             )
             schedule = self.schedule_for(len(batches))
-            run, losses = self._executor.step(schedule, batches, ctx)
-        self.last_trace = StepTrace(schedule, run.trace)
+            run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
+        peak = tuple(run.meter.peak) if run.meter is not None else None
+        self.last_trace = StepTrace(schedule, run.trace, peak)
         return torch.stack([b.value for b in losses]).sum()
 
     def forward(self, inputs: Any) -> Any:

@@ -29,6 +29,8 @@ class StepTrace:
 
     schedule: Schedule
     events: Sequence[TraceEvent]
+    peak_activation_bytes: tuple[int, ...] | None = None
+    """Per worker, when the step measured memory (``Pipeline(..., measure_memory=True)``)."""
 
     @property
     def origin_ns(self) -> int:

@@ -18,6 +18,7 @@ from gpipe.schedule.ir import (
     execution_order,
     validate,
 )
+from gpipe.schedule.render import render_timeline
 from gpipe.schedule.simulate import Simulation, kind_cost, simulate, unit_cost
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "kind_cost",
     "make_schedule",
     "one_f_one_b",
+    "render_timeline",
     "simulate",
     "unit_cost",
     "validate",

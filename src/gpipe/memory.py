@@ -1,0 +1,68 @@
+"""Activation memory of a step, measured per worker.
+
+On CUDA ``torch.cuda.max_memory_allocated`` tells a device's peak, but not which stage or which
+micro-batch holds it, and on CPU there is no allocator to ask. This meter counts what a stage really
+keeps for backward: the bytes of every tensor autograd saves (through ``saved_tensors_hooks``; each
+storage once per micro-batch, parameters excluded) plus a re-materialized micro-batch's kept input,
+from the forward that saves them to the backward (B, or W after a split backward) that frees them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+__all__ = ["ActivationMeter"]
+
+
+class ActivationMeter:
+    """Live and peak activation bytes per worker over one step."""
+
+    def __init__(self, worker_of: dict[int, int], num_workers: int, parameters: Iterable[Tensor]) -> None:
+        self._worker_of = worker_of
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, int], int] = {}
+        self._seen: dict[tuple[int, int], set[int]] = {}
+        self.live = [0] * num_workers
+        self.peak = [0] * num_workers
+
+    def _add(self, stage: int, microbatch: int, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        key = (stage, microbatch)
+        with self._lock:
+            seen = self._seen.setdefault(key, set())
+            if ptr in self._params or ptr in seen:
+                return
+            seen.add(ptr)
+            self._held[key] = self._held.get(key, 0) + storage.nbytes()
+            w = self._worker_of[stage]
+            self.live[w] += storage.nbytes()
+            self.peak[w] = max(self.peak[w], self.live[w])
+
+    def hold(self, stage: int, microbatch: int, tensors: Iterable[Tensor]) -> None:
+        """Count tensors a stage keeps itself (a re-materialized micro-batch's input)."""
+        for t in tensors:
+            self._add(stage, microbatch, t)
+
+    @contextmanager
+    def recording(self, stage: int, microbatch: int) -> Iterator[None]:
+        """Count every tensor autograd saves for backward inside this context."""
+
+        def pack(t: Tensor) -> Tensor:
+            self._add(stage, microbatch, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def release(self, stage: int, microbatch: int) -> None:
+        """The backward of ``microbatch`` on ``stage`` is done: its activations are freed."""
+        with self._lock:
+            self.live[self._worker_of[stage]] -= self._held.pop((stage, microbatch), 0)
+            self._seen.pop((stage, microbatch), None)

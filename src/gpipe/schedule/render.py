@@ -1,0 +1,77 @@
+"""Pictures of a timeline, like the paper's Figure 2c: workers as rows, time as columns, forward and
+backward passes in distinct colours, micro-batch numbers in the cells, the bubble in the title.
+
+Works for a simulated timeline and for a measured one (``StepTrace.timeline()``) alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpipe.schedule.simulate import Simulation
+
+__all__ = ["COLORS", "render_timeline"]
+
+COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#F58518", "W": "#B279A2"}
+_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+
+
+def render_timeline(
+    sim: Simulation, path: str | os.PathLike[str], *, title: str | None = None, unit: str = "time"
+) -> Path:
+    """Draw ``sim`` to ``path``; the format follows the suffix (.png, .svg, .pdf)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    schedule = sim.schedule
+    origin = min(start for start, _ in sim.spans.values())
+    workers = schedule.num_workers
+    virtual = max(1, schedule.num_stages // workers)
+    width = min(24.0, max(6.0, 0.28 * len(schedule.actions[0]) + 2))
+    fig, ax = plt.subplots(figsize=(width, 0.55 * workers + 1.4))
+    kinds_seen: dict[str, None] = {}
+    for w, acts in enumerate(schedule.actions):
+        for a in acts:
+            start, end = (t - origin for t in sim.spans[a])
+            kind = a.kind.value
+            kinds_seen[kind] = None
+            chunk = a.stage // workers
+            ax.barh(
+                w,
+                end - start,
+                left=start,
+                height=0.8,
+                color=COLORS[kind],
+                alpha=1.0 - 0.45 * chunk / max(1, virtual - 1) if virtual > 1 else 1.0,
+                edgecolor="white",
+                linewidth=0.6,
+            )
+            if end - start > 0.012 * sim.makespan:
+                ax.text((start + end) / 2, w, str(a.microbatch), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(workers), [f"worker {w}" for w in range(workers)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, sim.makespan)
+    ax.set_xlabel(unit)
+    ax.set_title(
+        title
+        or f"{schedule.name}: K={workers}, M={schedule.num_microbatches}"
+        + (f", v={virtual}" if virtual > 1 else "")
+        + f" — bubble {sim.bubble:.1%}, peak in flight {max(sim.peak_in_flight)}"
+    )
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=_NAMES[k]) for k in kinds_seen],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if workers < 4 else -0.15),
+        ncol=len(kinds_seen),
+        frameon=False,
+        fontsize=8,
+    )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out
