@@ -5,7 +5,7 @@ Reproduce (from the repository root)::
     .venv/bin/python benchmarks/engine_speed.py
 
 What it measures: the time of one training step (forward + backward + ``zero_grad``; no optimizer) of
-three variants built from deep copies of the same initial model, on the same mini-batch:
+four variants built from deep copies of the same initial model, on the same mini-batch:
 
 1. ``sequential``: the plain ``nn.Sequential`` run on the M micro-batches (``torch.chunk``) one after
    the other, forward and backward each, accumulating the gradients; one intra-op thread, the same
@@ -13,6 +13,10 @@ three variants built from deep copies of the same initial model, on the same min
 2. ``gpipe-never``: ``GPipe`` on ``devices=['cpu', 'cpu']`` (K=2), ``chunks=M``, ``checkpoint='never'``,
    ``cpu_threads=1``.
 3. ``gpipe-except_last``: the same with the default ``checkpoint='except_last'``.
+4. ``ideal-2-threads`` (a reference, not a pipeline): the two halves of the model (the same split as
+   the balance), each trained on all M micro-batches in its own one-thread worker, with no dependency
+   between the two. Same work as ``sequential``, no bubble and no hand-over: its speed-up is what the
+   two cores give at best on this machine, so the pipeline's speed-up can be read against it.
 
 The model is ``--blocks`` blocks of ``Linear(hidden, ffn) - GELU - Linear(ffn, hidden)``; each block is
 one layer (an ``nn.Sequential``) of the top-level ``nn.Sequential``, so 8 blocks are split with
@@ -36,7 +40,9 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +54,7 @@ import gpipe
 
 K = 2  # pipeline stages (two 'cpu' devices)
 WARMUP_STEPS = 2
-VARIANTS = ("sequential", "gpipe-never", "gpipe-except_last")
+VARIANTS = ("sequential", "gpipe-never", "gpipe-except_last", "ideal-2-threads")
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,30 @@ def gpipe_step(model: gpipe.GPipe, x: Tensor, y: Tensor) -> Step:
     return step
 
 
+def ideal_step(halves: list[nn.Sequential], x: Tensor, y: Tensor, chunks: int) -> Step:
+    """Each half of the model trained in its own thread on its own data, with no dependency between them.
+
+    The same work as the sequential step, split over two one-thread workers that never wait for each
+    other: no bubble, no hand-over of activations. Its speed-up is what two cores give at best here.
+    """
+    batch = x.size(0)
+
+    def work(model: nn.Sequential) -> None:
+        torch.set_num_threads(1)
+        for xm, ym in zip(torch.chunk(x, chunks), torch.chunk(y, chunks)):
+            loss_fn(model(xm), ym, batch).backward()
+        model.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        threads = [threading.Thread(target=work, args=(half,)) for half in halves]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return step
+
+
 def grad_check(models: dict[str, nn.Module], x: Tensor, y: Tensor, chunks: int) -> dict[str, float]:
     """One untimed step of each variant; the max |grad - sequential grad| of each GPipe variant."""
     batch = x.size(0)
@@ -158,6 +188,21 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def git_revision() -> str:
+    """The commit of the checkout, with ``+dirty`` when ``src/`` differs from it; ``unknown`` outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def _load(load: tuple[float, float, float]) -> str:
     return "/".join(f"{v:.2f}" for v in load)
 
@@ -174,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     bound = K * m / (m + K - 1)
 
     print(f"command:  {command}")
+    revision = git_revision()
+    print(f"gpipe {gpipe.__version__} at git {revision} (src/), gpipe from {os.path.dirname(gpipe.__file__)}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, {platform.platform()}")
     print(
         f"threads:  torch default {default_threads} intra-op, set to {torch.get_num_threads()} for the "
@@ -203,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         "sequential": sequential_step(seq_model, x, y, m),
         "gpipe-never": gpipe_step(never, x, y),
         "gpipe-except_last": gpipe_step(except_last, x, y),
+        "ideal-2-threads": ideal_step([copy.deepcopy(base[: balance[0]]), copy.deepcopy(base[balance[0] :])], x, y, m),
     }
 
     diffs = grad_check(models, x, y, m)
@@ -247,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     if json_path is not None:
         result = {
             "command": command,
+            "git": revision,
             "python": platform.python_version(),
             "torch": torch.__version__,
             "platform": platform.platform(),

@@ -1,0 +1,150 @@
+"""Every schedule side by side on 2 'cpu' devices: step time, measured bubble, peak activation memory.
+
+The model of the engine benchmark (8 blocks of Linear(1024, 4096)-GELU-Linear(4096, 1024), flattened to
+24 layers), batch 256 in M=8 micro-batches, K=2 workers with one intra-op thread each, MSE loss. Every
+schedule runs with re-materialization off ('never') and on ('always'); the variants take turns
+within each repetition so that machine noise hits them alike.
+
+Measured per variant:
+- step time (median and spread over the repetitions);
+- bubble: the idle fraction of the two workers over the step, from the step's own trace;
+- idle: the idle time itself (the bubble's size);
+- overhead: how much longer the step took than the simulator predicts from the step's measured
+  action costs (the runtime's own cost: waiting, hand-over, Python);
+- peak activation memory per worker (bytes autograd keeps for backward, measured in a separate step).
+
+Reproduce:  .venv/bin/python benchmarks/schedules.py [--repeats 5] [--json out.json] [--pictures DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from gpipe import Pipeline
+from gpipe.schedule import render_timeline, simulate
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+CHECKPOINTS = ["never", "always"]
+
+
+def model(blocks: int, hidden: int, ffn: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden)]
+    return nn.Sequential(*layers)
+
+
+def balance(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if k < extra else 0) for k in range(stages)]
+
+
+@dataclass
+class Result:
+    schedule: str
+    checkpoint: str
+    times: list[float] = field(default_factory=list)
+    bubbles: list[float] = field(default_factory=list)
+    idle: list[float] = field(default_factory=list)
+    overheads: list[float] = field(default_factory=list)
+    peak_mib: list[float] = field(default_factory=list)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--pictures", help="write each variant's last measured timeline (PNG) and Chrome trace here")
+    args = parser.parse_args(argv)
+
+    base = model(args.blocks, args.hidden, args.ffn)
+    x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
+    pipes: dict[tuple[str, str], Pipeline] = {}
+    results: dict[tuple[str, str], Result] = {}
+    for name, virtual in SCHEDULES:
+        for ck in CHECKPOINTS:
+            pipes[(name, ck)] = Pipeline(
+                copy.deepcopy(base),
+                balance(len(base), 2 * virtual),
+                chunks=args.chunks,
+                schedule=name,
+                loss_fn=F.mse_loss,
+                checkpoint=ck,
+                virtual=virtual,
+                devices=["cpu", "cpu"],
+                cpu_threads=1,
+            )
+            results[(name, ck)] = Result(name, ck)
+
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; 2 'cpu' workers x 1 thread")
+    print(f"# {' '.join(sys.argv)}")
+    for pipe in pipes.values():  # warm-up and peak memory, in a step of its own
+        pipe.measure_memory = True
+        pipe.step(x, y)
+        pipe.measure_memory = False
+        assert pipe.last_trace is not None and pipe.last_trace.peak_activation_bytes is not None
+        results[(pipe.schedule, pipe.checkpoint)].peak_mib = [b / 2**20 for b in pipe.last_trace.peak_activation_bytes]
+        pipe.zero_grad()
+    keys = list(pipes)
+    for r in range(args.repeats):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            pipe, res = pipes[key], results[key]
+            start = time.perf_counter()
+            pipe.step(x, y)
+            res.times.append(time.perf_counter() - start)
+            pipe.zero_grad()
+            trace = pipe.last_trace
+            assert trace is not None
+            measured = trace.timeline()
+            predicted = simulate(trace.schedule, trace.costs().__getitem__)
+            res.bubbles.append(measured.bubble)
+            res.idle.append(sum(measured.idle) / len(measured.idle))
+            res.overheads.append(measured.makespan / predicted.makespan - 1)
+
+    if args.pictures:
+        out = Path(args.pictures)
+        out.mkdir(parents=True, exist_ok=True)
+        for (name, ck), pipe in pipes.items():
+            assert pipe.last_trace is not None
+            render_timeline(pipe.last_trace.timeline(), out / f"{name}-{ck}.png", unit="seconds (measured)")
+            pipe.last_trace.save_chrome(out / f"{name}-{ck}.trace.json")
+    fill = {ck: statistics.median(results[("gpipe", ck)].bubbles) for ck in CHECKPOINTS}
+    fill_idle = {ck: statistics.median(results[("gpipe", ck)].idle) for ck in CHECKPOINTS}
+    print(
+        "\n| schedule | remat | step time (s) median [min-max] | bubble | bubble / fill-drain's "
+        "| idle (ms) / fill-drain's | overhead vs simulator | peak activations per worker (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, ck), res in results.items():
+        t, b, idle = statistics.median(res.times), statistics.median(res.bubbles), statistics.median(res.idle)
+        label = f"{name} (v=2)" if name == "interleaved-1f1b" else name
+        print(
+            f"| {label} | {ck} | {t:.3f} [{min(res.times):.3f}-{max(res.times):.3f}] | {b:.3f} "
+            f"| {b / fill[ck]:.2f} | {idle * 1e3:.0f} / {idle / fill_idle[ck]:.2f} "
+            f"| {statistics.median(res.overheads):+.1%} | {', '.join(f'{p:.1f}' for p in res.peak_mib)} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results.values()], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
