@@ -11,7 +11,9 @@ Measured per variant:
 - idle: the idle time itself (the bubble's size);
 - overhead: how much longer the step took than the simulator predicts from the step's measured
   action costs (the runtime's own cost: waiting, hand-over, Python);
-- peak activation memory per worker (bytes autograd keeps for backward, measured in a separate step).
+- peak activation memory per worker (bytes autograd keeps for backward, measured in a separate step);
+- the mean time of each kind of action, and the bubble the simulator predicts from those means
+  (what the schedule would give if every action of a kind took the same time).
 
 Reproduce:  .venv/bin/python benchmarks/schedules.py [--repeats 5] [--json out.json] [--pictures DIR]
 """
@@ -32,7 +34,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe import Pipeline
-from gpipe.schedule import render_timeline, simulate
+from gpipe.schedule import kind_cost, render_timeline, simulate
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 CHECKPOINTS = ["never", "always"]
@@ -60,6 +62,8 @@ class Result:
     idle: list[float] = field(default_factory=list)
     overheads: list[float] = field(default_factory=list)
     peak_mib: list[float] = field(default_factory=list)
+    kind_ms: dict[str, list[float]] = field(default_factory=dict)
+    mean_cost_bubbles: list[float] = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             res.bubbles.append(measured.bubble)
             res.idle.append(sum(measured.idle) / len(measured.idle))
             res.overheads.append(measured.makespan / predicted.makespan - 1)
+            costs = trace.costs()
+            means = {
+                k: statistics.mean(v for a, v in costs.items() if a.kind.value == k)
+                for k in "FBIW"
+                if any(a.kind.value == k for a in costs)
+            }
+            for k, v in means.items():
+                res.kind_ms.setdefault(k, []).append(v * 1e3)
+            res.mean_cost_bubbles.append(simulate(trace.schedule, kind_cost(**means)).bubble)
 
     if args.pictures:
         out = Path(args.pictures)
@@ -129,16 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     fill_idle = {ck: statistics.median(results[("gpipe", ck)].idle) for ck in CHECKPOINTS}
     print(
         "\n| schedule | remat | step time (s) median [min-max] | bubble | bubble / fill-drain's "
-        "| idle (ms) / fill-drain's | overhead vs simulator | peak activations per worker (MiB) |"
+        "| idle (ms) / fill-drain's | overhead vs simulator | peak activations per worker (MiB) "
+        "| mean action (ms) | bubble simulated from mean costs |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (name, ck), res in results.items():
         t, b, idle = statistics.median(res.times), statistics.median(res.bubbles), statistics.median(res.idle)
         label = f"{name} (v=2)" if name == "interleaved-1f1b" else name
         print(
             f"| {label} | {ck} | {t:.3f} [{min(res.times):.3f}-{max(res.times):.3f}] | {b:.3f} "
             f"| {b / fill[ck]:.2f} | {idle * 1e3:.0f} / {idle / fill_idle[ck]:.2f} "
-            f"| {statistics.median(res.overheads):+.1%} | {', '.join(f'{p:.1f}' for p in res.peak_mib)} |"
+            f"| {statistics.median(res.overheads):+.1%} | {', '.join(f'{p:.1f}' for p in res.peak_mib)} "
+            f"| {' '.join(f'{k}={statistics.median(v):.0f}' for k, v in res.kind_ms.items())} "
+            f"| {statistics.median(res.mean_cost_bubbles):.3f} |"
         )
     if args.json:
         with open(args.json, "w") as f:
