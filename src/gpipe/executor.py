@@ -38,7 +38,7 @@ __all__ = ["LocalExecutor", "StepRun", "TraceEvent"]
 
 
 class _AbortedError(Exception):
-    """Another worker failed; this one stops waiting."""
+    """Another worker (or rank) failed; this one stops waiting."""
 
 
 class _Mailbox:
@@ -51,7 +51,7 @@ class _Mailbox:
     def __init__(self) -> None:
         self._items: dict[tuple[str, int, int], Any] = {}
         self._cond = threading.Condition()
-        self._failed = False
+        self._failed: str | None = None
 
     def put(self, key: tuple[str, int, int], value: Any) -> None:
         with self._cond:
@@ -61,14 +61,15 @@ class _Mailbox:
     def get(self, key: tuple[str, int, int]) -> Any:
         with self._cond:
             while key not in self._items:
-                if self._failed:
-                    raise _AbortedError
+                if self._failed is not None:
+                    raise _AbortedError(self._failed)
                 self._cond.wait()
             return self._items.pop(key)
 
-    def fail(self) -> None:
+    def fail(self, reason: str = "another worker failed") -> None:
         with self._cond:
-            self._failed = True
+            if self._failed is None:
+                self._failed = reason
             self._cond.notify_all()
 
 
@@ -110,14 +111,15 @@ class LocalExecutor:
     def __init__(self, stages: Sequence[Stage], *, cpu_threads: int | None = None) -> None:
         if cpu_threads is not None and cpu_threads <= 0:
             raise ValueError(f"cpu_threads must be a positive integer (cpu_threads: {cpu_threads})")
-        self.stages = list(stages)
+        self.stages: dict[int, Stage] = {stage.index: stage for stage in stages}
+        self.num_stages = len(self.stages)
         self.cpu_threads = cpu_threads
 
     def run(self, schedule: Schedule, run: StepRun, *, inline: bool = False) -> None:
         """Run every action of ``schedule``; inputs and gradients must already be in the mailbox."""
-        if schedule.num_stages != len(self.stages):
+        if schedule.num_stages != self.num_stages:
             raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages, the pipeline {len(self.stages)}"
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages, the pipeline {self.num_stages}"
             )
         if inline or schedule.num_workers == 1:
             self._run_inline(schedule, run)
@@ -248,7 +250,7 @@ class LocalExecutor:
         for m, batch in enumerate(batches):
             run.mailbox.put(("act", m, 0), batch)
         self.run(schedule.only(ActionKind.FORWARD), run)
-        last = len(self.stages)
+        last = self.num_stages
         return run, [run.mailbox.get(("act", m, last)) for m in range(len(batches))]
 
     def backward(
@@ -256,7 +258,7 @@ class LocalExecutor:
     ) -> list[Grads]:
         """Run the backward actions of ``schedule`` from the gradients of the last stage's outputs;
         return the gradients of the first stage's inputs."""
-        last = len(self.stages) - 1
+        last = self.num_stages - 1
         for m, g in enumerate(grads):
             run.mailbox.put(("grad", m, last), g)
         self.run(schedule.only(ActionKind.BACKWARD), run, inline=inline)
@@ -268,15 +270,26 @@ class LocalExecutor:
         """Run a whole training step (every action of ``schedule``), the last stage computing the
         loss; return the step and each micro-batch's (scaled) loss. ``measure_memory`` records
         every worker's activation memory (``run.meter``)."""
-        split = frozenset((a.stage, a.microbatch) for a in schedule if a.kind is ActionKind.BACKWARD_INPUT)
-        meter = None
-        if measure_memory:
-            params = (p for stage in self.stages for p in stage.module.parameters())
-            meter = ActivationMeter(schedule.worker_of(), schedule.num_workers, params)
-        run = StepRun(ctx, split=split, meter=meter)
-        last = len(self.stages)
-        for m, batch in enumerate(batches):
-            run.mailbox.put(("act", m, 0), batch)
-            run.mailbox.put(("grad", m, last - 1), (torch.ones((), device=self.stages[-1].device),))
+        meter = self.meter_for(schedule) if measure_memory else None
+        run = StepRun(ctx, split=self.split_of(schedule), meter=meter)
+        self._seed(run, batches)
         self.run(schedule, run)
-        return run, [run.mailbox.get(("act", m, last)) for m in range(len(batches))]
+        return run, [run.mailbox.get(("act", m, self.num_stages)) for m in range(len(batches))]
+
+    def _seed(self, run: StepRun, batches: Sequence[Batch]) -> None:
+        """Hand the first stage its micro-batches and the last stage its loss gradients."""
+        last = self.num_stages - 1
+        for m, batch in enumerate(batches):
+            if 0 in self.stages:
+                run.mailbox.put(("act", m, 0), batch)
+            if last in self.stages:
+                run.mailbox.put(("grad", m, last), (torch.ones((), device=self.stages[last].device),))
+
+    @staticmethod
+    def split_of(schedule: Schedule) -> frozenset[tuple[int, int]]:
+        """The (stage, micro-batch) pairs whose backward the schedule splits into I and W."""
+        return frozenset((a.stage, a.microbatch) for a in schedule if a.kind is ActionKind.BACKWARD_INPUT)
+
+    def meter_for(self, schedule: Schedule) -> ActivationMeter:
+        params = (p for stage in self.stages.values() for p in stage.module.parameters())
+        return ActivationMeter(schedule.worker_of(), schedule.num_workers, params)

@@ -178,7 +178,7 @@ class _Backprop:
             for m, part in enumerate(parts):
                 per_mb[m][i] = part
         mb_grads: list[Grads] = [tuple(g) for g in per_mb]
-        inline = any(s.device.type == "cuda" for s in self.executor.stages)
+        inline = any(s.device.type == "cuda" for s in self.executor.stages.values())
         input_grads = self.executor.backward(self.schedule, self.run, mb_grads, inline=inline)
         result: list[Tensor | None] = []
         for i in self.grad_positions:

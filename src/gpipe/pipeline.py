@@ -107,7 +107,7 @@ class Pipeline(nn.Module):
                 f"inputs and target split into different micro-batches (inputs: {sizes}, "
                 f"target: {[_size(t) for t in targets]}); give them the same size in dim 0"
             )
-        last = self._executor.stages[-1]
+        last = self._executor.stages[self._executor.num_stages - 1]
         total = sum(sizes)
         with torch.enable_grad():
             ctx = StepContext.capture(
