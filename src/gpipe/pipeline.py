@@ -11,25 +11,34 @@ stage, and leaves the gradients of the mini-batch's mean loss in the parameters 
         optimizer.step()
 
 ``pipe(inputs)`` (``forward``) runs the forwards only, without autograd, for evaluation.
+
+The same script runs in one process (stages on the local devices, one worker thread each) or under
+``torchrun --nproc-per-node K`` (one process per pipeline worker, over torch.distributed: gloo on CPU,
+NCCL on GPUs; see :mod:`gpipe.distributed`). Under torchrun each rank holds only its own stages (the
+others are dropped to the meta device), every rank calls ``step(x, y)`` alike, only the last stage
+computes the loss, and ``step`` returns the mini-batch loss on every rank.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
+from gpipe.distributed import DistributedExecutor, init_from_env
 from gpipe.executor import LocalExecutor
 from gpipe.microbatch import Batch, gather, scatter
 from gpipe.partition import check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
-from gpipe.stage import LossFn, StepContext, stages_of
+from gpipe.stage import LossFn, Stage, StepContext, stages_of
 from gpipe.trace import StepTrace
 
 __all__ = ["Pipeline"]
@@ -55,6 +64,8 @@ class Pipeline(nn.Module):
         deferred_batch_norm: per-micro-batch batch-norm statistics, running averages per mini-batch.
         measure_memory: record every worker's peak activation memory in each step's trace
             (``last_trace.peak_activation_bytes``); costs a hook call per saved tensor.
+        timeout: under torch.distributed, seconds a transfer between ranks may take before the step
+            fails (a rank that dies or raises is reported at once).
     """
 
     def __init__(
@@ -71,6 +82,7 @@ class Pipeline(nn.Module):
         cpu_threads: int | None = None,
         deferred_batch_norm: bool = False,
         measure_memory: bool = False,
+        timeout: float = 60.0,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -81,20 +93,89 @@ class Pipeline(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.virtual = virtual
-        self.balance, self.devices, partitions = partition(
-            module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm
-        )
-        self.partitions = nn.ModuleList(partitions)
-        stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
-        self._executor = LocalExecutor(stages_of(partitions, stage_devices, loss_fn), cpu_threads=cpu_threads)
+        self.distributed = init_from_env(timeout) and dist.get_world_size() > 1
+        if self.distributed:
+            self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout)
+        else:
+            self.balance, self.devices, partitions = partition(
+                module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm
+            )
+            self.partitions = nn.ModuleDict({str(s): p for s, p in enumerate(partitions)})
+            stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
+            stages = stages_of(partitions, stage_devices, loss_fn)
+            self._executor = LocalExecutor(stages, cpu_threads=cpu_threads)
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
 
+    def _build_distributed(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int],
+        devices: Sequence[torch.device | str | int] | None,
+        loss_fn: LossFn,
+        deferred_batch_norm: bool,
+        timeout: float,
+    ) -> None:
+        """One rank of K: keep this rank's stages on its device, drop the others to 'meta'."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if devices is not None and len(devices) != world:
+            raise ValueError(
+                f"under torch.distributed, devices lists one device per rank (devices: {len(devices)}, ranks: {world})"
+            )
+        device = torch.device(devices[rank]) if devices is not None else _default_device()
+        workers = [device if w == rank else torch.device("meta") for w in range(world)]
+        self.balance, _, partitions = partition(
+            module, balance, workers, virtual=self.virtual, deferred_batch_norm=deferred_batch_norm
+        )
+        if len(partitions) != world * self.virtual:
+            raise ValueError(
+                f"balance has {len(partitions)} stages but {world} ranks x {self.virtual} virtual stages run here; "
+                "give one balance entry per stage"
+            )
+        self.devices = [device]
+        firsts = [sum(self.balance[:s]) for s in range(len(partitions))]
+        mine = [s for s in range(len(partitions)) if s % world == rank]
+        self.partitions = nn.ModuleDict({str(s): partitions[s] for s in mine})
+        stages = [
+            Stage(s, partitions[s], firsts[s], device, loss_fn if s == len(partitions) - 1 else None) for s in mine
+        ]
+        self._executor = DistributedExecutor(
+            stages, len(partitions), pipeline_ranks=range(world), device=device, timeout=timeout
+        )
+
+    @property
+    def num_workers(self) -> int:
+        """K: devices in one process, or ranks under torch.distributed."""
+        return dist.get_world_size() if self.distributed else len(self.devices)
+
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a few (K, M) per pipeline
     def schedule_for(self, microbatches: int) -> Schedule:
         """The validated schedule for a mini-batch of ``microbatches`` micro-batches."""
-        return make_schedule(self.schedule, len(self.devices), microbatches, self.virtual)
+        return make_schedule(self.schedule, self.num_workers, microbatches, self.virtual)
+
+    def _seed(self) -> int:
+        """The step's seed, drawn on the first rank and shared, so all ranks draw alike."""
+        seed = step_seed()
+        if not self.distributed:
+            return seed
+        t = torch.tensor([seed], dtype=torch.int64, device=self._comm_device())
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return self.devices[0] if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _share_loss(self, loss: Tensor | None) -> Tensor:
+        """The loss, from the last stage's rank to every rank."""
+        if not self.distributed:
+            assert loss is not None
+            return loss
+        last = (self._executor.num_stages - 1) % dist.get_world_size()
+        t = loss.detach().reshape(1).float().to(self._comm_device()) if loss is not None else None
+        buf = t if t is not None else torch.empty(1, device=self._comm_device())
+        dist.broadcast(buf, src=last)
+        return buf[0].to(self.devices[0])
 
     def step(self, inputs: Any, target: Any) -> Tensor:
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
@@ -107,33 +188,42 @@ class Pipeline(nn.Module):
                 f"inputs and target split into different micro-batches (inputs: {sizes}, "
                 f"target: {[_size(t) for t in targets]}); give them the same size in dim 0"
             )
-        last = self._executor.stages[self._executor.num_stages - 1]
+        last = self._executor.stages.get(self._executor.num_stages - 1)
         total = sum(sizes)
+        seed = self._seed()
         with torch.enable_grad():
             ctx = StepContext.capture(
                 num_microbatches=len(batches),
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches)),
                 training=self.training,
-                seed=step_seed(),
-                targets=[last.receive(t).value for t in targets],
+                seed=seed,
+                targets=[last.receive(t).value for t in targets] if last is not None else None,
                 loss_scale=[n / total for n in sizes],
             )
             schedule = self.schedule_for(len(batches))
             run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
-        return torch.stack([b.value for b in losses]).sum()
+        return self._share_loss(torch.stack([b.value for b in losses]).sum() if losses else None)
 
     def forward(self, inputs: Any) -> Any:
-        """The forwards only, without autograd, for evaluation; returns the gathered output."""
+        """The forwards only, without autograd, for evaluation; returns the gathered output (under
+        torch.distributed: on the last stage's rank, ``None`` on the others)."""
         batches = scatter(inputs, self.chunks)
         schedule = self.schedule_for(len(batches)).only(ActionKind.FORWARD)
+        seed = self._seed()
         with torch.no_grad():
             ctx = StepContext.capture(
-                num_microbatches=len(batches), checkpoint_stop=0, training=self.training, seed=step_seed()
+                num_microbatches=len(batches), checkpoint_stop=0, training=self.training, seed=seed
             )
             _, outputs = self._executor.forward(schedule, batches, ctx)
-        return gather(outputs)
+        return gather(outputs) if outputs else None
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _size(batch: Batch) -> int:

@@ -1,0 +1,102 @@
+"""What each rank runs in the multi-process tests: the same script as in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from gpipe import Pipeline
+
+
+def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(6, 6), nn.Dropout(dropout) if dropout else nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def even(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if k < extra else 0) for k in range(stages)]
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
+
+
+def build(schedule: str, workers: int, chunks: int, dropout: float = 0.0, **kwargs: Any) -> Pipeline:
+    model = mlp(dropout)
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    return Pipeline(
+        model,
+        even(len(model), workers * virtual),
+        chunks=chunks,
+        schedule=schedule,
+        loss_fn=F.mse_loss,
+        virtual=virtual,
+        **kwargs,
+    )
+
+
+def grads_of(pipe: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def step(schedule: str, chunks: int, dropout: float = 0.0, steps: int = 1) -> dict[str, Any]:
+    """One step (or a few) of ``schedule`` on this rank's stages; loss and this rank's gradients."""
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(5)
+    pipe = build(schedule, world, chunks, dropout)
+    x, y = data()
+    losses = [pipe.step(x, y) for _ in range(steps)]
+    evaluation = pipe(x)
+    return {"losses": losses, "grads": grads_of(pipe), "eval": evaluation}
+
+
+def raise_on(rank: int) -> None:
+    """Rank ``rank`` raises in its forward; the others must stop, naming it."""
+
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom on purpose")
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = mlp()
+    layers = list(model)
+    stage_of_rank = even(len(layers), world)
+    first = sum(stage_of_rank[:rank])
+    layers[first] = Boom()
+    pipe = Pipeline(nn.Sequential(*layers), stage_of_rank, chunks=4, loss_fn=F.mse_loss)
+    x, y = data()
+    pipe.step(x, y)
+
+
+def die_on(rank: int, after: float) -> None:
+    """Rank ``rank`` is killed (SIGKILL) mid-step."""
+
+    class Die(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(after)
+            os.kill(os.getpid(), 9)
+            return x
+
+    class Slow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return x
+
+    world = int(os.environ["WORLD_SIZE"])
+    layers: list[nn.Module] = [nn.Linear(6, 6) if i % 2 == 0 else Slow() for i in range(2 * world)]
+    if int(os.environ["RANK"]) == rank:
+        layers[2 * rank + 1] = Die()
+    pipe = Pipeline(nn.Sequential(*layers), [2] * world, chunks=4, loss_fn=F.mse_loss)
+    x, y = data()
+    for _ in range(100):
+        pipe.step(x, y)

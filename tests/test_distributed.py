@@ -1,0 +1,92 @@
+"""One process per stage over torch.distributed (gloo): the same results as one process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import dist_cases
+from tests.dist_harness import RanksFailedError, run_ranks, start, wait
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+def single_process(schedule: str, world: int, chunks: int, dropout: float = 0.0) -> dict[str, object]:
+    torch.manual_seed(5)
+    pipe = dist_cases.build(schedule, world, chunks, dropout, devices=["cpu"] * world, cpu_threads=1)
+    x, y = dist_cases.data()
+    loss = pipe.step(x, y)
+    return {"loss": loss, "grads": dist_cases.grads_of(pipe), "eval": pipe(x)}
+
+
+def plain_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = dist_cases.mlp()
+    x, y = dist_cases.data()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_across_processes(tmp_path: Path, schedule: str, world: int) -> None:
+    ranks = run_ranks("step", world, tmp_path, schedule=schedule, chunks=4)
+    reference = single_process(schedule, world, 4)
+    plain_loss, plain = plain_grads()
+    merged: dict[str, torch.Tensor] = {}
+    for r, out in enumerate(ranks):
+        # the mini-batch loss reaches every rank, bitwise equal to one process's
+        assert torch.equal(out["losses"][0], reference["loss"]), r
+        assert out["grads"], f"rank {r} holds no parameters"
+        assert not set(out["grads"]) & set(merged), "a parameter lives on two ranks"
+        merged.update(out["grads"])
+    assert set(merged) == set(reference["grads"])  # type: ignore[arg-type]
+    for name, g in merged.items():
+        assert torch.equal(g, reference["grads"][name]), name  # type: ignore[index]
+        torch.testing.assert_close(g, plain[next(iter(by_layer({name: g})))])
+    torch.testing.assert_close(reference["loss"], plain_loss)
+    last = ranks[(world * (2 if schedule == "interleaved-1f1b" else 1) - 1) % world]
+    assert torch.equal(last["eval"], reference["eval"])
+    assert all(out["eval"] is None for out in ranks if out is not last)
+
+
+def by_layer(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter names without the stage: 'partitions.1.8.weight' -> '8.weight' (a global layer index)."""
+    return {re.sub(r"^partitions\.\d+\.", "", n): g for n, g in grads.items()}
+
+
+def test_dropout_bitwise_across_one_two_four_ranks(tmp_path: Path) -> None:
+    one = single_process("1f1b", 1, 4, dropout=0.3)
+    expected = by_layer(one["grads"])  # type: ignore[arg-type]
+    for world in (2, 4):
+        ranks = run_ranks("step", world, tmp_path, schedule="1f1b", chunks=4, dropout=0.3)
+        merged = by_layer({n: g for out in ranks for n, g in out["grads"].items()})
+        assert set(merged) == set(expected)
+        assert torch.equal(ranks[0]["losses"][0], one["loss"])
+        for name, g in merged.items():
+            assert torch.equal(g, expected[name]), (world, name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_raising_rank_stops_the_others_naming_it(tmp_path: Path, world: int) -> None:
+    failed = world - 1
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks("raise_on", world, tmp_path, timeout=90, rank=failed)
+    assert all(code != 0 for code in info.value.returncodes)
+    for r, out in enumerate(info.value.outputs):
+        expected = "boom on purpose" if r == failed else f"rank {failed} failed: ValueError: boom on purpose"
+        assert expected in out, (r, out[-2000:])
+
+
+def test_a_killed_rank_stops_the_others_within_a_minute(tmp_path: Path) -> None:
+    world, victim = 4, 2
+    codes, outputs, seconds = wait(start("die_on", world, tmp_path, rank=victim, after=0.5), timeout=90)
+    assert codes[victim] == -9
+    assert seconds < 60, seconds
+    for r in range(world):
+        if r != victim:
+            assert codes[r] not in (0, None), (r, codes)
+            assert f"rank {victim} is gone" in outputs[r], (r, outputs[r][-2000:])
