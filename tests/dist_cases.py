@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from gpipe import Pipeline
+from gpipe import Pipeline, load_checkpoint, save_checkpoint
 
 
 def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
@@ -100,3 +100,32 @@ def die_on(rank: int, after: float) -> None:
     x, y = data()
     for _ in range(100):
         pipe.step(x, y)
+
+
+def _train(pipe: Pipeline, steps: int) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = data()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y))
+        optimizer.step()
+    return losses
+
+
+def train_and_save(directory: str, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps, save, then train one more: its loss is the one a resumed run must see."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipe = build("1f1b", world, 4)
+    _train(pipe, steps)
+    save_checkpoint(pipe, directory, steps)
+    return {"next": _train(pipe, 1)[0]}
+
+
+def load_and_step(directory: str) -> dict[str, Any]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(99)  # other initial weights: only the checkpoint can make the loss match
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(6, 6), nn.Tanh())])
+    pipe = Pipeline(model, even(16, world), chunks=4, schedule="1f1b", loss_fn=F.mse_loss)
+    step = load_checkpoint(pipe, directory)
+    return {"step": step, "next": _train(pipe, 1)[0]}

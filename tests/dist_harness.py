@@ -33,6 +33,7 @@ class RanksFailedError(AssertionError):
 
 def start(case: str, world: int, out_dir: Path, **kwargs: Any) -> list[subprocess.Popen[str]]:
     port = free_port()
+    out_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(world):
         env = {

@@ -8,6 +8,8 @@ from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
 from gpipe.pipeline import Pipeline
+from gpipe.saving import load as load_checkpoint
+from gpipe.saving import save as save_checkpoint
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
 from gpipe.trace import StepTrace
 
@@ -21,7 +23,9 @@ __all__ = [
     "StepTrace",
     "is_checkpointing",
     "is_recomputing",
+    "load_checkpoint",
     "make_schedule",
+    "save_checkpoint",
     "simulate",
 ]
 
