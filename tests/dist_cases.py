@@ -129,3 +129,15 @@ def load_and_step(directory: str) -> dict[str, Any]:
     pipe = Pipeline(model, even(16, world), chunks=4, schedule="1f1b", loss_fn=F.mse_loss)
     step = load_checkpoint(pipe, directory)
     return {"step": step, "next": _train(pipe, 1)[0]}
+
+
+def data_parallel(schedule: str, dp: int, chunks: int) -> dict[str, Any]:
+    """dp replicas of a pipeline over WORLD_SIZE / dp ranks, fed the same global mini-batch."""
+    world = int(os.environ["WORLD_SIZE"])
+    model = mlp()
+    pipe = Pipeline(
+        model, even(len(model), world // dp), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss, data_parallel=dp
+    )
+    x, y = data()
+    loss = pipe.step(x, y)
+    return {"loss": loss, "grads": grads_of(pipe), "dp_rank": pipe.dp_rank}

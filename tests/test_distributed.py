@@ -90,3 +90,18 @@ def test_a_killed_rank_stops_the_others_within_a_minute(tmp_path: Path) -> None:
         if r != victim:
             assert codes[r] not in (0, None), (r, codes)
             assert f"rank {victim} is gone" in outputs[r], (r, outputs[r][-2000:])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_data_parallel_times_pipeline(tmp_path: Path, schedule: str) -> None:
+    """dp=2 x pp=2 on 4 processes equals one process on the same global batch."""
+    ranks = run_ranks("data_parallel", 4, tmp_path, schedule=schedule, dp=2, chunks=2)
+    reference = single_process(schedule, 2, 4)  # the global batch of 16 in micro-batches of 4 alike
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], reference["loss"])
+    for dp_rank in (0, 1):
+        merged = {n: g for r in ranks if r["dp_rank"] == dp_rank for n, g in r["grads"].items()}
+        assert set(merged) == set(reference["grads"])  # type: ignore[arg-type]
+        for name, g in merged.items():
+            torch.testing.assert_close(g, reference["grads"][name])  # type: ignore[index]

@@ -168,32 +168,35 @@ class DistributedExecutor(LocalExecutor):
         stages: Sequence[Stage],
         num_stages: int,
         *,
-        pipeline_ranks: Sequence[int],
+        replicas: Sequence[Sequence[int]],
         device: torch.device,
         timeout: float = 60.0,
     ) -> None:
+        """``replicas`` lists, for every data-parallel replica of the pipeline, the global ranks of
+        its K workers in pipeline order (one replica without data parallelism)."""
         super().__init__(stages)
         self.num_stages = num_stages
         self.device = device
         self.timeout = timeout
-        self.pipeline_ranks = list(pipeline_ranks)
-        self.rank = self.pipeline_ranks.index(dist.get_rank())
+        me = dist.get_rank()
+        (self.pipeline_ranks,) = [list(r) for r in replicas if me in r]
+        self.rank = self.pipeline_ranks.index(me)
         self._store = dist.distributed_c10d._get_default_store()
         self._channels: dict[tuple[int, int, str], _Channel] = {}
-        k = len(self.pipeline_ranks)
         comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        # Every rank creates every group, in the same order (new_group is collective).
-        for s in range(num_stages - 1):
-            a, b = s % k, (s + 1) % k
-            for src, dst, kind in ((a, b, "act"), (b, a, "grad")):
-                if src != dst and (src, dst, kind) not in self._channels:
-                    group = dist.new_group(
-                        sorted({self.pipeline_ranks[src], self.pipeline_ranks[dst]}),
-                        timeout=timedelta(seconds=timeout),
-                    )
-                    self._channels[(src, dst, kind)] = _Channel(
-                        self.pipeline_ranks[src], self.pipeline_ranks[dst], kind, group, comm_device
-                    )
+        # new_group is collective over all ranks: every rank creates every replica's groups, in order.
+        for ranks in replicas:
+            k = len(ranks)
+            made: set[tuple[int, int, str]] = set()
+            for s in range(num_stages - 1):
+                a, b = s % k, (s + 1) % k
+                for src, dst, kind in ((a, b, "act"), (b, a, "grad")):
+                    if src == dst or (src, dst, kind) in made:
+                        continue
+                    made.add((src, dst, kind))
+                    group = dist.new_group(sorted({ranks[src], ranks[dst]}), timeout=timedelta(seconds=timeout))
+                    if me in ranks:
+                        self._channels[(src, dst, kind)] = _Channel(ranks[src], ranks[dst], kind, group, comm_device)
 
     def worker_of(self, stage: int) -> int:
         return stage % len(self.pipeline_ranks)

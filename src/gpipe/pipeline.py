@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import DistributedExecutor, init_from_env
@@ -66,6 +67,10 @@ class Pipeline(nn.Module):
             (``last_trace.peak_activation_bytes``); costs a hook call per saved tensor.
         timeout: under torch.distributed, seconds a transfer between ranks may take before the step
             fails (a rank that dies or raises is reported at once).
+        data_parallel: under torch.distributed, the number of data-parallel replicas of the
+            pipeline (world = data_parallel x K, on a 2-D DeviceMesh ("dp", "pp")). Every rank
+            passes the global mini-batch to ``step``; each replica trains on its share, and each
+            stage's gradients are all-reduced over its replicas once per step.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         measure_memory: bool = False,
         timeout: float = 60.0,
+        data_parallel: int = 1,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -94,6 +100,17 @@ class Pipeline(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         self.virtual = virtual
         self.distributed = init_from_env(timeout) and dist.get_world_size() > 1
+        self.data_parallel = data_parallel
+        self.dp_rank = 0
+        self._dp_group: Any = None
+        self._pp_group: Any = None
+        if not isinstance(data_parallel, int) or data_parallel <= 0:
+            raise ValueError(f"data_parallel must be a positive integer (data_parallel: {data_parallel!r})")
+        if data_parallel > 1 and not self.distributed:
+            raise ValueError(
+                f"data_parallel={data_parallel} needs torch.distributed (run under torchrun with "
+                f"data_parallel x stages processes)"
+            )
         if self.distributed:
             self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout)
         else:
@@ -118,36 +135,44 @@ class Pipeline(nn.Module):
         timeout: float,
     ) -> None:
         """One rank of K: keep this rank's stages on its device, drop the others to 'meta'."""
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world, me = dist.get_world_size(), dist.get_rank()
+        dp = self.data_parallel
+        if world % dp:
+            raise ValueError(f"the world size is not a multiple of data_parallel (world: {world}, data_parallel: {dp})")
         if devices is not None and len(devices) != world:
             raise ValueError(
                 f"under torch.distributed, devices lists one device per rank (devices: {len(devices)}, ranks: {world})"
             )
-        device = torch.device(devices[rank]) if devices is not None else _default_device()
-        workers = [device if w == rank else torch.device("meta") for w in range(world)]
+        device = torch.device(devices[me]) if devices is not None else _default_device()
+        mesh = init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "pp"))
+        self.dp_rank, rank = mesh.get_coordinate() or (0, 0)
+        self._dp_group = mesh["dp"].get_group() if dp > 1 else None
+        self._pp_group = mesh["pp"].get_group()
+        replicas = mesh.mesh.tolist()
+        k = len(replicas[0])
+        workers = [device if w == rank else torch.device("meta") for w in range(k)]
         self.balance, _, partitions = partition(
             module, balance, workers, virtual=self.virtual, deferred_batch_norm=deferred_batch_norm
         )
-        if len(partitions) != world * self.virtual:
+        if len(partitions) != k * self.virtual:
             raise ValueError(
-                f"balance has {len(partitions)} stages but {world} ranks x {self.virtual} virtual stages run here; "
-                "give one balance entry per stage"
+                f"balance has {len(partitions)} stages but {k} pipeline ranks x {self.virtual} virtual stages "
+                "run here; give one balance entry per stage"
             )
         self.devices = [device]
+        self._num_workers = k
         firsts = [sum(self.balance[:s]) for s in range(len(partitions))]
-        mine = [s for s in range(len(partitions)) if s % world == rank]
+        mine = [s for s in range(len(partitions)) if s % k == rank]
         self.partitions = nn.ModuleDict({str(s): partitions[s] for s in mine})
         stages = [
             Stage(s, partitions[s], firsts[s], device, loss_fn if s == len(partitions) - 1 else None) for s in mine
         ]
-        self._executor = DistributedExecutor(
-            stages, len(partitions), pipeline_ranks=range(world), device=device, timeout=timeout
-        )
+        self._executor = DistributedExecutor(stages, len(partitions), replicas=replicas, device=device, timeout=timeout)
 
     @property
     def num_workers(self) -> int:
         """K: devices in one process, or ranks under torch.distributed."""
-        return dist.get_world_size() if self.distributed else len(self.devices)
+        return self._num_workers if self.distributed else len(self.devices)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a few (K, M) per pipeline
     def schedule_for(self, microbatches: int) -> Schedule:
@@ -167,21 +192,52 @@ class Pipeline(nn.Module):
         return self.devices[0] if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def _share_loss(self, loss: Tensor | None) -> Tensor:
-        """The loss, from the last stage's rank to every rank."""
+        """The mini-batch loss, from the last stage's rank (summed over the replicas) to every rank."""
         if not self.distributed:
             assert loss is not None
             return loss
-        last = (self._executor.num_stages - 1) % dist.get_world_size()
-        t = loss.detach().reshape(1).float().to(self._comm_device()) if loss is not None else None
-        buf = t if t is not None else torch.empty(1, device=self._comm_device())
-        dist.broadcast(buf, src=last)
+        executor = self._executor
+        assert isinstance(executor, DistributedExecutor)
+        buf = torch.zeros(1, device=self._comm_device())
+        if loss is not None:
+            buf.copy_(loss.detach().reshape(1))
+            if self._dp_group is not None:
+                dist.all_reduce(buf, group=self._dp_group)
+        last = executor.pipeline_ranks[(executor.num_stages - 1) % len(executor.pipeline_ranks)]
+        dist.broadcast(buf, src=last, group=self._pp_group)
         return buf[0].to(self.devices[0])
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum each stage's gradients over its data-parallel replicas (each replica's loss is already
+        scaled by its share of the global mini-batch)."""
+        if self._dp_group is None:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for the whole stage
+        dist.all_reduce(flat, group=self._dp_group)
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+
+    def _share(self, value: Any) -> Any:
+        """This replica's share of a global mini-batch (all of it without data parallelism)."""
+        if self.data_parallel == 1:
+            return value
+        shares = scatter(value, self.data_parallel)
+        if len(shares) < self.data_parallel:
+            raise ValueError(
+                f"a mini-batch of {_size(shares[0]) * len(shares)} cannot be shared by "
+                f"{self.data_parallel} data-parallel replicas"
+            )
+        return shares[self.dp_rank].value
 
     def step(self, inputs: Any, target: Any) -> Tensor:
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
         accumulated into the parameters' ``.grad``."""
-        batches = scatter(inputs, self.chunks)
-        targets = scatter(target, self.chunks)
+        total = _size(scatter(inputs, 1)[0])
+        batches = scatter(self._share(inputs), self.chunks)
+        targets = scatter(self._share(target), self.chunks)
         sizes = [_size(b) for b in batches]
         if [_size(t) for t in targets] != sizes:
             raise ValueError(
@@ -189,7 +245,6 @@ class Pipeline(nn.Module):
                 f"target: {[_size(t) for t in targets]}); give them the same size in dim 0"
             )
         last = self._executor.stages.get(self._executor.num_stages - 1)
-        total = sum(sizes)
         seed = self._seed()
         with torch.enable_grad():
             ctx = StepContext.capture(
@@ -202,14 +257,16 @@ class Pipeline(nn.Module):
             )
             schedule = self.schedule_for(len(batches))
             run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
+        self._all_reduce_gradients()
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return self._share_loss(torch.stack([b.value for b in losses]).sum() if losses else None)
 
     def forward(self, inputs: Any) -> Any:
         """The forwards only, without autograd, for evaluation; returns the gathered output (under
-        torch.distributed: on the last stage's rank, ``None`` on the others)."""
-        batches = scatter(inputs, self.chunks)
+        torch.distributed: on the last stage's rank, ``None`` on the others; with data parallelism,
+        each replica evaluates and returns its share)."""
+        batches = scatter(self._share(inputs), self.chunks)
         schedule = self.schedule_for(len(batches)).only(ActionKind.FORWARD)
         seed = self._seed()
         with torch.no_grad():
