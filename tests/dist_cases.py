@@ -11,6 +11,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
+from gpipe.distributed import init_from_env
 
 
 def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
@@ -141,3 +142,40 @@ def data_parallel(schedule: str, dp: int, chunks: int) -> dict[str, Any]:
     x, y = data()
     loss = pipe.step(x, y)
     return {"loss": loss, "grads": grads_of(pipe), "dp_rank": pipe.dp_rank}
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_growth_mib(build: Any) -> tuple[Any, float]:
+    """Run ``build`` and return its result and how far it raised the resident memory (MiB)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current resident size
+    before = _rss_kib("VmRSS")
+    result = build()
+    return result, (_rss_kib("VmHWM") - before) / 1024
+
+
+def meta_memory(width: int, layers: int) -> dict[str, Any]:
+    """Build a model on the meta device and keep this rank's stage; report the memory it took,
+    beside what building the whole model takes."""
+    world = int(os.environ["WORLD_SIZE"])
+    init_from_env()  # the process group's own memory is not the model's
+    Pipeline(mlp(), even(16, world), chunks=1, loss_fn=F.mse_loss)  # nor are gloo's and the mesh's first buffers
+    # What a pipeline of a tiny model costs (its process groups' buffers, mostly):
+    _, overhead = _peak_growth_mib(lambda: Pipeline(mlp(), even(16, world), chunks=1, loss_fn=F.mse_loss))
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    pipe, rss = _peak_growth_mib(lambda: Pipeline(model, even(layers, world), chunks=1, loss_fn=F.mse_loss))
+    whole, whole_rss = _peak_growth_mib(lambda: nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]))
+    del whole
+    params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    return {
+        "rss_mib": rss,
+        "overhead_mib": overhead,
+        "whole_rss_mib": whole_rss,
+        "param_mib": params / 2**20,
+        "weights": {n.split(".", 2)[2]: p.detach().clone() for n, p in pipe.named_parameters()},
+    }

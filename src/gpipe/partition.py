@@ -4,13 +4,14 @@ cut safe: every layer in exactly one partition, no module or parameter shared be
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.rng import derive_seed
 
 __all__ = ["check_balance", "resolve_devices", "split_module"]
 
@@ -20,7 +21,7 @@ _BALANCE_HINT = (
 )
 
 
-def check_balance(module: nn.Sequential, balance: Any) -> list[int]:
+def check_balance(module: Sized, balance: Any) -> list[int]:
     if balance is None:
         raise ValueError(f"balance is required: {_BALANCE_HINT}")
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
@@ -93,20 +94,96 @@ def check_chunks(chunks: Any) -> int:
     return chunks
 
 
+Layers = nn.Sequential | Sequence[Callable[[], nn.Module]]
+
+
+def _is_meta(layer: nn.Module) -> bool:
+    return any(t.is_meta for t in (*layer.parameters(), *layer.buffers()))
+
+
+def layer_seed(init_seed: int, index: int) -> int:
+    """The seed layer ``index`` is initialized with: the same whatever the partitioning."""
+    return derive_seed(init_seed, index, -1)
+
+
+def _initialized(index: int, init_seed: int, device: torch.device, build: Callable[[], nn.Module]) -> nn.Module:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(layer_seed(init_seed, index))
+        return build()
+
+
+def materialize(layer: nn.Module, index: int, device: torch.device, init_seed: int) -> nn.Module:
+    """Give a layer built on the meta device real storage on ``device`` and initialize it with its
+    ``reset_parameters`` methods, seeded by its global index."""
+    unresettable = [
+        type(m).__name__
+        for m in layer.modules()
+        if not hasattr(m, "reset_parameters")
+        and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    ]
+    if unresettable:
+        raise TypeError(
+            f"layer {index} was built on the meta device, but {sorted(set(unresettable))} has no "
+            "reset_parameters() to initialize it; give a list of layer factories instead"
+        )
+
+    def reset() -> nn.Module:
+        # Like Module.to_empty, but with torch.empty_strided: empty_like from the meta device
+        # touches the new memory, which doubles the peak of a stage being materialized.
+        layer._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))  # type: ignore[no-untyped-call]
+        for m in layer.modules():
+            reset_parameters = getattr(m, "reset_parameters", None)
+            if callable(reset_parameters):
+                reset_parameters()
+        return layer
+
+    return _initialized(index, init_seed, device, reset)
+
+
+def _build(
+    module: Layers, balance: Sequence[int], stage_devices: Sequence[torch.device], init_seed: int
+) -> nn.Sequential:
+    """The model with every layer on a real device built (from its factory) or materialized (from
+    the meta device), seeded by its index; layers of stages on the meta device are left there."""
+    device_of = [d for count, d in zip(balance, stage_devices) for _ in range(count)]
+    if isinstance(module, nn.Sequential):
+        for i, (name, layer) in enumerate(list(module._modules.items())):
+            if layer is not None and device_of[i].type != "meta" and _is_meta(layer):
+                module._modules[name] = materialize(layer, i, device_of[i], init_seed)
+        return module
+    layers: list[nn.Module] = []
+    for i, factory in enumerate(module):
+        if device_of[i].type == "meta":
+            layers.append(nn.Identity())  # a placeholder: another process holds this layer
+            continue
+        layer = _initialized(i, init_seed, device_of[i], factory)
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"layer factory {i} returned {type(layer).__name__}, not an nn.Module")
+        layers.append(layer)
+    return nn.Sequential(*layers)
+
+
 def partition(
-    module: nn.Sequential,
+    module: Layers,
     balance: Any,
     devices: Sequence[Any] | None,
     *,
     virtual: int = 1,
     deferred_batch_norm: bool = False,
+    init_seed: int = 0,
 ) -> tuple[list[int], list[torch.device], list[nn.Sequential]]:
     """Check and cut ``module`` into ``len(balance)`` stages over ``len(balance) // virtual`` devices
-    (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages."""
-    if not isinstance(module, nn.Sequential):
+    (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages.
+
+    ``module`` is an ``nn.Sequential`` (whose layers may be on the meta device: those of stages on
+    a real device are materialized and initialized, seeded by layer) or a list of layer factories
+    (only the layers of stages on a real device are built, each seeded by its index)."""
+    factories = isinstance(module, (list, tuple)) and all(callable(f) for f in module)
+    if not isinstance(module, nn.Sequential) and not factories:
         raise TypeError(
             f"module must be nn.Sequential to be partitioned (module: {type(module).__name__}); "
-            "list its layers in an nn.Sequential"
+            "list its layers in an nn.Sequential, or give a list of layer factories"
         )
     balance = check_balance(module, balance)
     if not isinstance(virtual, int) or virtual <= 0 or len(balance) % virtual:
@@ -115,7 +192,8 @@ def partition(
             f"(stages: {len(balance)}, virtual: {virtual}); give one balance entry per stage"
         )
     workers = resolve_devices(devices, len(balance) // virtual)
-    if deferred_batch_norm:
-        DeferredBatchNorm.convert_deferred_batch_norm(module)
     stage_devices = [workers[s % len(workers)] for s in range(len(balance))]
-    return balance, workers, split_module(module, balance, stage_devices)
+    model = _build(module, balance, stage_devices, init_seed)
+    if deferred_batch_norm:
+        DeferredBatchNorm.convert_deferred_batch_norm(model)
+    return balance, workers, split_module(model, balance, stage_devices)

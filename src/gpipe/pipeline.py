@@ -35,7 +35,7 @@ from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import DistributedExecutor, init_from_env
 from gpipe.executor import LocalExecutor
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import check_chunks, partition
+from gpipe.partition import Layers, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
@@ -49,7 +49,10 @@ class Pipeline(nn.Module):
     """A model cut into stages that trains one mini-batch per :meth:`step` under a schedule.
 
     Args:
-        module: the layers, in order.
+        module: the layers, in order: an ``nn.Sequential`` (it may be built on the meta device:
+            each process then materializes only its own stages' layers), or a list of layer
+            factories (each process builds only its own layers). Either way those layers are
+            initialized seeded by their global index, so the initial weights do not depend on K.
         balance: the number of layers of each stage; with ``virtual`` stages per device, stage ``s``
             runs on device ``s mod K`` where K = len(balance) / virtual.
         chunks: M, the number of micro-batches of a mini-batch.
@@ -75,7 +78,7 @@ class Pipeline(nn.Module):
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: Layers,
         balance: Sequence[int],
         *,
         chunks: int,
@@ -89,6 +92,7 @@ class Pipeline(nn.Module):
         measure_memory: bool = False,
         timeout: float = 60.0,
         data_parallel: int = 1,
+        init_seed: int = 0,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -112,10 +116,10 @@ class Pipeline(nn.Module):
                 f"data_parallel x stages processes)"
             )
         if self.distributed:
-            self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout)
+            self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout, init_seed)
         else:
             self.balance, self.devices, partitions = partition(
-                module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm
+                module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed
             )
             self.partitions = nn.ModuleDict({str(s): p for s, p in enumerate(partitions)})
             stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
@@ -127,12 +131,13 @@ class Pipeline(nn.Module):
 
     def _build_distributed(
         self,
-        module: nn.Sequential,
+        module: Layers,
         balance: Sequence[int],
         devices: Sequence[torch.device | str | int] | None,
         loss_fn: LossFn,
         deferred_batch_norm: bool,
         timeout: float,
+        init_seed: int,
     ) -> None:
         """One rank of K: keep this rank's stages on its device, drop the others to 'meta'."""
         world, me = dist.get_world_size(), dist.get_rank()
@@ -152,7 +157,7 @@ class Pipeline(nn.Module):
         k = len(replicas[0])
         workers = [device if w == rank else torch.device("meta") for w in range(k)]
         self.balance, _, partitions = partition(
-            module, balance, workers, virtual=self.virtual, deferred_batch_norm=deferred_batch_norm
+            module, balance, workers, virtual=self.virtual, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed
         )
         if len(partitions) != k * self.virtual:
             raise ValueError(
