@@ -24,6 +24,7 @@ that a hung rank cannot hang the others forever.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -66,7 +67,15 @@ def init_from_env(timeout: float = 60.0) -> bool:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
+    atexit.register(_shutdown)
     return True
+
+
+def _shutdown() -> None:
+    """Destroy the process group gpipe created, at interpreter exit."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 # The wire format.

@@ -1,0 +1,40 @@
+"""The same user script in one process and under torchrun, with no code change."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pipeline_train.py"
+
+
+def losses(cmd: list[str]) -> list[float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [float(v) for v in re.findall(r"loss ([0-9.]+)", done.stdout)]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", str(EXAMPLE), *args,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("nproc", "extra"), [(2, []), (4, ["--data-parallel", "2"])])
+def test_example_runs_alike_in_one_process_and_under_torchrun(nproc: int, extra: list[str]) -> None:
+    one = losses([sys.executable, str(EXAMPLE), "--steps", "5"])
+    several = losses(torchrun(nproc, "--steps", "5", *extra))
+    assert len(one) == len(several) == 5
+    assert several == pytest.approx(one, rel=1e-4)
+    assert one[-1] < one[0]
