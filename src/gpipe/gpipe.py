@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.executor import LocalExecutor, StepRun
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import check_chunks, partition
+from gpipe.partition import auto_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.stage import Grads, StepContext, stages_of
@@ -41,7 +41,8 @@ class GPipe(nn.Module):
 
     Args:
         module: the layers, in order.
-        balance: the number of layers in each partition, e.g. ``[3, 2]``.
+        balance: the number of layers in each partition, e.g. ``[3, 2]``; or ``'auto'``: time each
+            layer on ``sample`` and split exactly over ``devices`` (see :mod:`gpipe.balance`).
         devices: one device per partition (default: the CUDA devices, or ``'cpu'`` for every
             partition); a device may repeat. Several ``'cpu'`` partitions run concurrently, each
             with its share of the intra-op threads.
@@ -54,6 +55,7 @@ class GPipe(nn.Module):
             By default the caller's threads are shared out among the CPU partitions. CPU kernels
             may sum in another order with another thread count, so fix this (e.g. to 1) for
             gradients bitwise identical across partition counts on CPU.
+        sample: a mini-batch to time the layers on, for ``balance='auto'`` (not in torchgpipe).
 
     Example::
 
@@ -66,17 +68,22 @@ class GPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         *,
         devices: Sequence[torch.device | str | int] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         cpu_threads: int | None = None,
+        sample: Any = None,
     ) -> None:
         super().__init__()
         self.checkpoint = check_mode(checkpoint)
         self.chunks = check_chunks(chunks)
+        if balance == "auto":
+            if devices is None:
+                raise ValueError("balance='auto' needs devices=[...]: one device per partition to balance over")
+            balance = auto_balance(module, len(devices), sample, self.chunks)
         self.balance, self.devices, partitions = partition(
             module, balance, devices, deferred_batch_norm=deferred_batch_norm
         )

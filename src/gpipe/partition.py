@@ -88,6 +88,21 @@ def _claim(table: dict[int, tuple[int, str]], key: int, k: int, what: str, kind:
     table.setdefault(key, (k, what))
 
 
+def auto_balance(module: Layers, stages: int, sample: Any, chunks: int) -> list[int]:
+    """``balance='auto'``: profile each layer's forward + backward time on a micro-batch of
+    ``sample`` and split exactly (:func:`gpipe.balance.balance_by_time`)."""
+    from gpipe.balance import balance_by_time
+
+    if sample is None:
+        raise ValueError("balance='auto' times each layer on a sample mini-batch: pass sample=... as well")
+    if not isinstance(module, nn.Sequential) or any(_is_meta(layer) for layer in module):
+        raise ValueError(
+            "balance='auto' needs a model built on a real device to time its layers; give a balance list "
+            "(or gpipe.balance.solve(costs, K) with your own costs) for meta-device models and layer factories"
+        )
+    return balance_by_time(stages, module, sample, chunks=chunks)
+
+
 def check_chunks(chunks: Any) -> int:
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
         raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})")

@@ -35,7 +35,7 @@ from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import DistributedExecutor, init_from_env
 from gpipe.executor import LocalExecutor
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import Layers, check_chunks, partition
+from gpipe.partition import Layers, auto_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
@@ -54,7 +54,9 @@ class Pipeline(nn.Module):
             factories (each process builds only its own layers). Either way those layers are
             initialized seeded by their global index, so the initial weights do not depend on K.
         balance: the number of layers of each stage; with ``virtual`` stages per device, stage ``s``
-            runs on device ``s mod K`` where K = len(balance) / virtual.
+            runs on device ``s mod K`` where K = len(balance) / virtual. Or ``'auto'``: time each
+            layer on ``sample`` and split exactly into K x virtual stages (K: the devices, or the
+            pipeline ranks under torch.distributed).
         chunks: M, the number of micro-batches of a mini-batch.
         schedule: one of ``gpipe.schedule.SCHEDULES``: 'gpipe' (fill-drain), '1f1b',
             'interleaved-1f1b', 'zb-h1'.
@@ -79,7 +81,7 @@ class Pipeline(nn.Module):
     def __init__(
         self,
         module: Layers,
-        balance: Sequence[int],
+        balance: Sequence[int] | str,
         *,
         chunks: int,
         loss_fn: LossFn,
@@ -93,6 +95,7 @@ class Pipeline(nn.Module):
         timeout: float = 60.0,
         data_parallel: int = 1,
         init_seed: int = 0,
+        sample: Any = None,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -116,8 +119,14 @@ class Pipeline(nn.Module):
                 f"data_parallel x stages processes)"
             )
         if self.distributed:
+            if balance == "auto":
+                balance = self._auto_balance_everywhere(module, sample)
             self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout, init_seed)
         else:
+            if balance == "auto":
+                if devices is None:
+                    raise ValueError("balance='auto' needs devices=[...]: one device per worker to balance over")
+                balance = auto_balance(module, len(devices) * virtual, sample, self.chunks)
             self.balance, self.devices, partitions = partition(
                 module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed
             )
@@ -129,10 +138,18 @@ class Pipeline(nn.Module):
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
 
+    def _auto_balance_everywhere(self, module: Layers, sample: Any) -> list[int]:
+        """``balance='auto'`` under torch.distributed: rank 0 times the layers, every rank uses its
+        balance (timings differ from process to process; the balance must not)."""
+        stages = dist.get_world_size() // self.data_parallel * self.virtual
+        found: list[Any] = [auto_balance(module, stages, sample, self.chunks) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return list(found[0])
+
     def _build_distributed(
         self,
         module: Layers,
-        balance: Sequence[int],
+        balance: Sequence[int] | str,
         devices: Sequence[torch.device | str | int] | None,
         loss_fn: LossFn,
         deferred_batch_norm: bool,

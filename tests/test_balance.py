@@ -1,0 +1,185 @@
+"""Balancing: the exact partitioner, per-layer costs, balance='auto'."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gpipe import GPipe, Pipeline
+from gpipe.balance import balance_by_params, balance_by_size, balance_by_time, layer_memory, layer_times, solve
+from tests.helpers import assert_all_close, step
+
+
+def cells(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    out, i = [], 0
+    for b in balance:
+        out.append(sum(costs[i : i + b]))
+        i += b
+    return out
+
+
+def brute_force(
+    costs: Sequence[float], k: int, memory: Sequence[float] | None = None, cap: float | None = None
+) -> tuple[float, float] | None:
+    """(largest cell, spread) of the best split, trying every split."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), k - 1):
+        bounds = (0, *cuts, len(costs))
+        balance = [b - a for a, b in itertools.pairwise(bounds)]
+        if memory is not None and cap is not None and max(cells(memory, balance)) > cap:
+            continue
+        c = cells(costs, balance)
+        key = (max(c), max(c) - min(c))
+        best = key if best is None or key < best else best
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5))
+def test_partitioner_equals_brute_force(costs: list[int], k: int) -> None:
+    if k > len(costs):
+        with pytest.raises(ValueError, match="more partitions than layers"):
+            solve(costs, k)
+        return
+    balance = solve(costs, k)
+    assert len(balance) == k and sum(balance) == len(costs) and min(balance) >= 1
+    c = cells(costs, balance)
+    assert (max(c), max(c) - min(c)) == brute_force(costs, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9)), min_size=2, max_size=10),
+    st.integers(1, 4),
+    st.integers(5, 30),
+)
+def test_partitioner_with_memory_cap_equals_brute_force(layers: list[tuple[int, int]], k: int, cap: int) -> None:
+    costs, memory = [c for c, _ in layers], [m for _, m in layers]
+    if k > len(costs):
+        return
+    expected = brute_force(costs, k, memory, cap)
+    if expected is None:
+        with pytest.raises(ValueError, match="memory cap"):
+            solve(costs, k, memory=memory, memory_cap=cap)
+        return
+    balance = solve(costs, k, memory=memory, memory_cap=cap)
+    assert max(cells(memory, balance)) <= cap
+    c = cells(costs, balance)
+    assert (max(c), max(c) - min(c)) == expected
+
+
+def block_partition_heuristic(costs: Sequence[float], k: int) -> list[int]:
+    """A local search of the kind torchgpipe's block partitioning does: start from an even split
+    by count and keep moving a boundary of the largest block while that lowers the largest block."""
+    base, extra = divmod(len(costs), k)
+    balance = [base + (1 if i < extra else 0) for i in range(k)]
+    while True:
+        c = cells(costs, balance)
+        p = c.index(max(c))
+        moves = []
+        for q in (p - 1, p + 1):
+            if 0 <= q < k and balance[p] > 1:
+                moved = list(balance)
+                moved[p] -= 1
+                moved[q] += 1
+                moves.append(moved)
+        better = [m for m in moves if max(cells(costs, m)) < max(c)]
+        if not better:
+            return balance
+        balance = min(better, key=lambda m: max(cells(costs, m)))
+
+
+def test_heuristic_is_not_optimal_where_the_exact_split_is() -> None:
+    costs = [4, 7, 7, 3, 6, 9, 6, 2]
+    heuristic = block_partition_heuristic(costs, 3)
+    exact = solve(costs, 3)
+    assert heuristic == [3, 3, 2] and cells(costs, heuristic) == [18, 18, 8]
+    assert exact == [2, 3, 3] and cells(costs, exact) == [11, 16, 17]
+    assert max(cells(costs, exact)) < max(cells(costs, heuristic))
+
+
+def test_solver_errors() -> None:
+    with pytest.raises(ValueError, match=r"layer 1: -1"):
+        solve([1, -1], 1)
+    with pytest.raises(ValueError, match="both memory"):
+        solve([1, 1], 1, memory=[1, 1])
+    with pytest.raises(ValueError, match=r"within the memory cap 1;"):
+        solve([1, 1], 1, memory=[1, 1], memory_cap=1)
+
+
+def test_layer_memory_counts_saved_activations_and_parameters() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    sizes = layer_memory(model, torch.randn(4, 8))
+    # Linear: its input saved for the weight gradient (4x8 floats) and its output (4x16);
+    # plus weights and their gradients (2 x (16x8 + 16) floats).
+    assert sizes[0] == 4 * (4 * 8 + 4 * 16) + 2 * 4 * (16 * 8 + 16)
+    # ReLU saves its output, which is also what it returns: counted once.
+    assert sizes[1] == 4 * 4 * 16
+
+
+def test_profiling_leaves_the_model_untouched() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    model(torch.randn(4, 8)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    stats = [b.clone() for b in model.buffers()]
+    sample = torch.randn(16, 8)
+    torch.manual_seed(3)
+    expected_next = torch.rand(3)
+    torch.manual_seed(3)
+    layer_times(model, sample)
+    layer_memory(model, sample)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats))
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def uneven() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 64), nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 64), nn.Linear(64, 64), nn.Tanh()
+    )
+
+
+def test_balance_by_time_isolates_the_heavy_layers() -> None:
+    times = layer_times(uneven(), torch.randn(64, 64))
+    assert times[2] > 3 * max(times[0], times[4], times[5])
+    balance = balance_by_time(2, uneven(), torch.randn(64, 64))
+    assert sum(balance) == 6
+    heavy_alone = cells(times, balance)
+    assert max(heavy_alone) >= times[2]
+
+
+def test_balance_by_size_and_params() -> None:
+    # parameters: 4160, 66560, 1049600, 65600, 4160, 0; the 1024x1024 layer goes with the lighter of
+    # its neighbours: [2, 4] has cells of 70720 and 1119360, [3, 3] of 1120320 and 69760.
+    assert balance_by_params(2, uneven()) == [2, 4]
+    assert sum(balance_by_size(3, uneven(), torch.randn(8, 64))) == 6
+
+
+def test_auto_balance_in_both_front_ends() -> None:
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    model = uneven()
+    out_plain, plain = step(model, x)
+    gp = GPipe(uneven(), "auto", devices=["cpu", "cpu"], chunks=4, sample=x)
+    assert sum(gp.balance) == 6 and len(gp.balance) == 2
+    out, g = step(gp, x)
+    torch.testing.assert_close(out, out_plain)
+    assert_all_close(g, plain)
+    pipe = Pipeline(uneven(), "auto", chunks=4, loss_fn=F.mse_loss, devices=["cpu", "cpu"], sample=x)
+    torch.testing.assert_close(pipe.step(x, y), F.mse_loss(model(x), y))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"devices": ["cpu", "cpu"]}, "pass sample="), ({"sample": torch.randn(4, 64)}, "needs devices=")],
+)
+def test_auto_balance_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GPipe(uneven(), "auto", chunks=2, **kwargs)  # type: ignore[arg-type]
