@@ -12,6 +12,7 @@ from torch import nn
 
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
 from gpipe.distributed import init_from_env
+from gpipe.skip import pop, skippable, stash
 
 
 def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
@@ -179,3 +180,75 @@ def meta_memory(width: int, layers: int) -> dict[str, Any]:
         "param_mib": params / 2**20,
         "weights": {n.split(".", 2)[2]: p.detach().clone() for n, p in pipe.named_parameters()},
     }
+
+
+@skippable(stash=["down1"])
+class Down1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        stash("down1", x)
+        return F.max_pool2d(x, 2)
+
+
+@skippable(stash=["down2"])
+class Down2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        stash("down2", x)
+        return F.max_pool2d(x, 2)
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+@skippable(pop=["down2"])
+class Up2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(torch.cat([F.interpolate(x, scale_factor=2), pop("down2")], dim=1)))
+
+
+@skippable(pop=["down1"])
+class Up1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.cat([F.interpolate(x, scale_factor=2), pop("down1")], dim=1))
+
+
+def unet() -> nn.Sequential:
+    """A U-Net-like model of 8 layers whose skips span up to 6 layers (3 stages of 4)."""
+    torch.manual_seed(0)
+    return nn.Sequential(Down1(), Down2(), Middle(), Middle(), Middle(), Up2(), Up1(), nn.Tanh())
+
+
+def unet_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(8, 2, 8, 8, generator=g), torch.randn(8, 2, 8, 8, generator=g)
+
+
+def unet_step(schedule: str, chunks: int) -> dict[str, Any]:
+    world = int(os.environ["WORLD_SIZE"])
+    model = unet()
+    pipe = Pipeline(model, even(len(model), world), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = unet_data()
+    return {"loss": pipe.step(x, y), "grads": grads_of(pipe)}

@@ -91,8 +91,8 @@ def _layout(value: Batch | tuple[Tensor | None, ...]) -> tuple[bytes, list[Tenso
             tensors.append(v)
         else:
             items.append(("v", v))
-    atomic = value.atomic if isinstance(value, Batch) else None
-    return pickle.dumps((atomic, items)), tensors
+    atomic, skips = (value.atomic, value.skips) if isinstance(value, Batch) else (None, ())
+    return pickle.dumps((atomic, skips, items)), tensors
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -133,7 +133,7 @@ class _Channel:
             self.received_layout = raw.cpu().numpy().tobytes()
         if self.received_layout is None:
             raise RuntimeError(f"{self}: first message carried no layout")
-        atomic, items = pickle.loads(self.received_layout)
+        atomic, skips, items = pickle.loads(self.received_layout)
         values: list[Any] = []
         for item in items:
             if item[0] == "v":
@@ -144,7 +144,7 @@ class _Channel:
             if t.numel():
                 dist.recv(_as_bytes(t), self.src, group=self.group)
             values.append(t)
-        return tuple(values) if atomic is None else Batch(tuple(values), atomic)
+        return tuple(values) if atomic is None else Batch(tuple(values), atomic, skips)
 
 
 class _RoutedMailbox(_Mailbox):

@@ -20,10 +20,15 @@ __all__ = ["Batch", "gather", "scatter"]
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One micro-batch: a single tensor (``atomic``) or a tuple of values."""
+    """One micro-batch: a single tensor (``atomic``) or a tuple of values.
+
+    Between stages a batch also carries the skip connections stashed and not yet popped
+    (:mod:`gpipe.skip`): their tensors are the last ``len(skips)`` values, ``skips`` their names.
+    """
 
     values: tuple[Any, ...]
     atomic: bool
+    skips: tuple[str, ...] = ()
 
     @staticmethod
     def of(value: Any) -> Batch:
@@ -35,15 +40,27 @@ class Batch:
 
     @property
     def value(self) -> Any:
-        """What a layer receives: the tensor itself, or the tuple."""
-        return self.values[0] if self.atomic else self.values
+        """What a layer receives: the tensor itself, or the tuple (without the skips)."""
+        if self.atomic:
+            return self.values[0]
+        return self.values[: len(self.values) - len(self.skips)] if self.skips else self.values
+
+    def skip_items(self) -> dict[str, Any]:
+        """The skip connections this batch carries, by name."""
+        return dict(zip(self.skips, self.values[len(self.values) - len(self.skips) :])) if self.skips else {}
+
+    def with_skips(self, skips: dict[str, Any]) -> Batch:
+        """The same values, carrying ``skips`` (in name order) instead of any it carried."""
+        names = tuple(sorted(skips))
+        own = self.values[: len(self.values) - len(self.skips)]
+        return Batch(own + tuple(skips[n] for n in names), self.atomic, names)
 
     def tensors(self) -> Iterator[Tensor]:
         return (v for v in self.values if isinstance(v, Tensor))
 
     def map(self, fn: Callable[[Tensor], Any]) -> Batch:
         """Apply ``fn`` to every tensor, keeping the other values."""
-        return Batch(tuple(fn(v) if isinstance(v, Tensor) else v for v in self.values), self.atomic)
+        return Batch(tuple(fn(v) if isinstance(v, Tensor) else v for v in self.values), self.atomic, self.skips)
 
     def __len__(self) -> int:
         return len(self.values)

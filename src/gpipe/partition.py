@@ -12,6 +12,7 @@ from torch import nn
 
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.rng import derive_seed
+from gpipe.skip import check_skips
 
 __all__ = ["check_balance", "resolve_devices", "split_module"]
 
@@ -209,6 +210,8 @@ def partition(
     workers = resolve_devices(devices, len(balance) // virtual)
     stage_devices = [workers[s % len(workers)] for s in range(len(balance))]
     model = _build(module, balance, stage_devices, init_seed)
+    if isinstance(module, nn.Sequential) or all(d.type != "meta" for d in stage_devices):
+        check_skips(list(model))  # (layers built elsewhere, from factories, are not here to check)
     if deferred_batch_norm:
         DeferredBatchNorm.convert_deferred_batch_norm(model)
     return balance, workers, split_module(model, balance, stage_devices)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe import skip
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import checkpointing, recomputing
 from gpipe.microbatch import Batch
@@ -158,16 +159,19 @@ class Stage:
         return layers
 
     def _run(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]] | None = None) -> Batch:
-        value = batch.value
+        """Run the layers on ``batch``; the skip connections it carries are stashed and popped on
+        the way, and those still open leave with the output."""
+        state = batch
         for i, layer in enumerate(self._layers(m, ctx)):
+            if tape is not None and i:
+                state = state.map(_leaf)
+            leaves = state
+            with layer_randomness(derive_seed(ctx.seed, self.first + i, m)), skip.scope(state.skip_items()) as skips:
+                value = layer(state.value)
+            state = Batch.of(value).with_skips(skips) if skips or state.skips else Batch.of(value)
             if tape is not None:
-                leaves = Batch.of(value).map(_leaf) if i else batch
-                value = leaves.value
-            with layer_randomness(derive_seed(ctx.seed, self.first + i, m)):
-                value = layer(value)
-            if tape is not None:
-                tape.append((leaves, Batch.of(value)))
-        return Batch.of(value)
+                tape.append((leaves, state))
+        return state
 
     def _input_leaf(self, t: Tensor) -> Tensor:
         differentiable = t.is_floating_point() or t.is_complex()
