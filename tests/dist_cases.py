@@ -252,3 +252,43 @@ def unet_step(schedule: str, chunks: int) -> dict[str, Any]:
     pipe = Pipeline(model, even(len(model), world), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss)
     x, y = unet_data()
     return {"loss": pipe.step(x, y), "grads": grads_of(pipe)}
+
+
+VOCAB, DIM = 11, 6
+
+
+def tied_lm(share: bool) -> nn.Sequential:
+    """Embedding, four layers, output projection; ``share``: the plain model's one weight for both."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB, bias=False)
+    if share:
+        head.weight = emb.weight
+    return nn.Sequential(emb, nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), head)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def lm_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, VOCAB, (8, 5), generator=g), torch.randint(0, VOCAB, (8, 5), generator=g)
+
+
+def tied_training(steps: int) -> dict[str, Any]:
+    """A tied embedding/output on the first and last stage: the copies after ``steps`` SGD steps,
+    and the first step's gradients."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    kwargs: dict[str, Any] = {} if world > 1 else {"devices": ["cpu", "cpu"]}
+    pipe = Pipeline(tied_lm(False), [3, 3], chunks=4, loss_fn=lm_loss, tied=[["0.weight", "5.weight"]], **kwargs)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    x, y = lm_data()
+    first: dict[str, torch.Tensor] = {}
+    for i in range(steps):
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        if i == 0:
+            first = grads_of(pipe)
+        optimizer.step()
+    weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    return {"grads": first, "weights": weights}

@@ -13,6 +13,7 @@ from torch import nn
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.rng import derive_seed
 from gpipe.skip import check_skips
+from gpipe.tied import untie
 
 __all__ = ["check_balance", "resolve_devices", "split_module"]
 
@@ -188,6 +189,7 @@ def partition(
     virtual: int = 1,
     deferred_batch_norm: bool = False,
     init_seed: int = 0,
+    tied: Sequence[Sequence[str]] = (),
 ) -> tuple[list[int], list[torch.device], list[nn.Sequential]]:
     """Check and cut ``module`` into ``len(balance)`` stages over ``len(balance) // virtual`` devices
     (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages.
@@ -212,6 +214,9 @@ def partition(
     model = _build(module, balance, stage_devices, init_seed)
     if isinstance(module, nn.Sequential) or all(d.type != "meta" for d in stage_devices):
         check_skips(list(model))  # (layers built elsewhere, from factories, are not here to check)
+    factories = not isinstance(module, nn.Sequential)
+    layer_devices = [d for count, d in zip(balance, stage_devices) for _ in range(count)]
+    untie(model, tied, frozenset(i for i, d in enumerate(layer_devices) if factories and d.type == "meta"))
     if deferred_batch_norm:
         DeferredBatchNorm.convert_deferred_batch_norm(model)
     return balance, workers, split_module(model, balance, stage_devices)

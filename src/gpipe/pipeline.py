@@ -40,6 +40,8 @@ from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
 from gpipe.stage import LossFn, Stage, StepContext, stages_of
+from gpipe.tied import Tie
+from gpipe.tied import names as untie_names
 from gpipe.trace import StepTrace
 
 __all__ = ["Pipeline"]
@@ -96,6 +98,7 @@ class Pipeline(nn.Module):
         data_parallel: int = 1,
         init_seed: int = 0,
         sample: Any = None,
+        tied: Sequence[Sequence[str]] = (),
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -111,6 +114,7 @@ class Pipeline(nn.Module):
         self.dp_rank = 0
         self._dp_group: Any = None
         self._pp_group: Any = None
+        self._ties: list[Tie] = []
         if not isinstance(data_parallel, int) or data_parallel <= 0:
             raise ValueError(f"data_parallel must be a positive integer (data_parallel: {data_parallel!r})")
         if data_parallel > 1 and not self.distributed:
@@ -121,15 +125,22 @@ class Pipeline(nn.Module):
         if self.distributed:
             if balance == "auto":
                 balance = self._auto_balance_everywhere(module, sample)
-            self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout, init_seed)
+            self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout, init_seed, tied)
         else:
             if balance == "auto":
                 if devices is None:
                     raise ValueError("balance='auto' needs devices=[...]: one device per worker to balance over")
                 balance = auto_balance(module, len(devices) * virtual, sample, self.chunks)
             self.balance, self.devices, partitions = partition(
-                module, balance, devices, virtual=virtual, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed
+                module,
+                balance,
+                devices,
+                virtual=virtual,
+                deferred_batch_norm=deferred_batch_norm,
+                init_seed=init_seed,
+                tied=tied,
             )
+            self._ties = self._local_ties(partitions, tied)
             self.partitions = nn.ModuleDict({str(s): p for s, p in enumerate(partitions)})
             stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
             stages = stages_of(partitions, stage_devices, loss_fn)
@@ -155,6 +166,7 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool,
         timeout: float,
         init_seed: int,
+        tied: Sequence[Sequence[str]],
     ) -> None:
         """One rank of K: keep this rank's stages on its device, drop the others to 'meta'."""
         world, me = dist.get_world_size(), dist.get_rank()
@@ -174,7 +186,13 @@ class Pipeline(nn.Module):
         k = len(replicas[0])
         workers = [device if w == rank else torch.device("meta") for w in range(k)]
         self.balance, _, partitions = partition(
-            module, balance, workers, virtual=self.virtual, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed
+            module,
+            balance,
+            workers,
+            virtual=self.virtual,
+            deferred_batch_norm=deferred_batch_norm,
+            init_seed=init_seed,
+            tied=tied,
         )
         if len(partitions) != k * self.virtual:
             raise ValueError(
@@ -190,6 +208,50 @@ class Pipeline(nn.Module):
             Stage(s, partitions[s], firsts[s], device, loss_fn if s == len(partitions) - 1 else None) for s in mine
         ]
         self._executor = DistributedExecutor(stages, len(partitions), replicas=replicas, device=device, timeout=timeout)
+        self._ties = self._distributed_ties(partitions, tied, replicas, mine)
+
+    def _layer(self, partitions: Sequence[nn.Sequential], index: int) -> tuple[int, nn.Module]:
+        """The stage holding global layer ``index``, and the layer."""
+        first = 0
+        for s, count in enumerate(self.balance):
+            if index < first + count:
+                return s, partitions[s][index - first]
+            first += count
+        raise IndexError(index)
+
+    def _local_ties(self, partitions: Sequence[nn.Sequential], tied: Sequence[Sequence[str]]) -> list[Tie]:
+        ties = []
+        for members in untie_names(tied):
+            tie = Tie(members, [self._layer(partitions, i)[1].get_parameter(path) for i, path in members])
+            tie.sync_values()
+            ties.append(tie)
+        return ties
+
+    def _distributed_ties(
+        self,
+        partitions: Sequence[nn.Sequential],
+        tied: Sequence[Sequence[str]],
+        replicas: Sequence[Sequence[int]],
+        mine: Sequence[int],
+    ) -> list[Tie]:
+        """Per tie, this rank's copies and a process group of the ranks holding copies (created by
+        every rank for every replica, in the same order: new_group is collective)."""
+        ties = []
+        me, k = dist.get_rank(), len(replicas[0])
+        for members in untie_names(tied):
+            stages = [self._layer(partitions, i)[0] for i, _ in members]
+            tie = Tie(members)
+            for ranks in replicas:
+                holders = sorted({ranks[s % k] for s in stages})
+                group = dist.new_group(holders) if len(holders) > 1 else None
+                if me in ranks:
+                    tie.group, tie.owner = group, ranks[stages[0] % k]
+            tie.local = [
+                self._layer(partitions, i)[1].get_parameter(path) for (i, path), s in zip(members, stages) if s in mine
+            ]
+            tie.sync_values()
+            ties.append(tie)
+        return ties
 
     @property
     def num_workers(self) -> int:
@@ -279,6 +341,8 @@ class Pipeline(nn.Module):
             )
             schedule = self.schedule_for(len(batches))
             run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
+        for tie in self._ties:
+            tie.sync_grads()
         self._all_reduce_gradients()
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)

@@ -1,0 +1,110 @@
+"""Tied weights across stages: one parameter used by layers on different stages (an input embedding
+and the output projection, say).
+
+Each stage keeps its own copy of the parameter; the copies start equal, and after every step their
+gradients are summed (within the process, and over a process group of the ranks that hold copies)
+and the sum given to every copy. An optimizer then takes the same step on every copy, so they stay
+bitwise identical, and the gradient is the one the shared parameter gets in the plain model.
+
+Ties are named by global layer index and parameter name: ``tied=[["0.weight", "11.weight"]]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Tie", "names", "untie"]
+
+
+def _parse(name: str, layers: int) -> tuple[int, str]:
+    index, _, path = name.partition(".")
+    if not index.isdigit() or not path or not int(index) < layers:
+        raise ValueError(
+            f"tied parameter {name!r} is not '<layer index>.<parameter name>' of a model of {layers} layers "
+            "(e.g. '0.weight')"
+        )
+    return int(index), path
+
+
+def _set_parameter(layer: nn.Module, path: str, value: nn.Parameter) -> None:
+    owner, _, leaf = path.rpartition(".")
+    setattr(layer.get_submodule(owner) if owner else layer, leaf, value)
+
+
+def untie(
+    model: nn.Sequential, tied: Sequence[Sequence[str]], absent: frozenset[int] = frozenset()
+) -> list[list[tuple[int, str]]]:
+    """Give every tied parameter after the first of its group a copy of its own (so that stages do
+    not share objects); returns the groups as (layer, parameter name) lists. Layers in ``absent``
+    are built by other processes and are not checked here."""
+    groups = []
+    for names in tied:
+        if isinstance(names, str) or len(names) < 2:
+            raise ValueError(f"a tie needs at least two parameters (tied: {names!r})")
+        members = [_parse(n, len(model)) for n in names]
+        params: list[tuple[int, str, nn.Parameter]] = []
+        for (i, path), name in zip(members, names):
+            if i in absent:
+                continue
+            try:
+                params.append((i, path, model[i].get_parameter(path)))
+            except AttributeError:
+                raise ValueError(f"tied parameter {name!r}: layer {i} has no parameter {path!r}") from None
+        shapes = {tuple(p.shape) for _, _, p in params}
+        if len(shapes) > 1:
+            raise ValueError(f"tied parameters {list(names)} have different shapes {sorted(shapes)}")
+        for i, path, p in params:
+            if (i, path) != members[0]:
+                copy = p.detach().clone() if not p.is_meta else torch.empty_like(p)
+                _set_parameter(model[i], path, nn.Parameter(copy, requires_grad=p.requires_grad))
+        groups.append(members)
+    return groups
+
+
+def names(tied: Sequence[Sequence[str]]) -> list[list[tuple[int, str]]]:
+    """The groups of ``tied`` as (layer, parameter name) lists (checked by :func:`untie` before)."""
+    return [[(int(n.partition(".")[0]), n.partition(".")[2]) for n in group] for group in tied]
+
+
+@dataclass
+class Tie:
+    """One tied parameter as this process sees it: its local copies, and the ranks holding others."""
+
+    members: list[tuple[int, str]]
+    local: list[nn.Parameter] = field(default_factory=list)
+    group: Any = None  # the process group of the ranks holding copies (None: all copies are here)
+    owner: int | None = None  # the global rank holding the first member
+
+    def sync_values(self) -> None:
+        """Make every copy equal the first member's value."""
+        if not self.local:
+            return
+        with torch.no_grad():
+            if self.group is not None:
+                buf = self.local[0].detach()
+                dist.broadcast(buf, src=self.owner, group=self.group)
+            for p in self.local[1:]:
+                p.copy_(self.local[0].to(p.device))
+
+    def sync_grads(self) -> None:
+        """Give every copy the sum of all copies' gradients."""
+        if not self.local:
+            return
+        first = self.local[0]
+        total = torch.zeros_like(first)
+        for p in self.local:
+            if p.grad is not None:
+                total += p.grad.to(first.device)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for p in self.local:
+            if p.grad is None:
+                p.grad = total.to(p.device)
+            else:
+                p.grad.copy_(total)

@@ -1,0 +1,74 @@
+"""Tied weights across stages: the copies stay identical, their gradient is the shared one's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from gpipe import Pipeline
+from tests import dist_cases
+from tests.dist_harness import run_ranks
+
+
+def plain(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = dist_cases.tied_lm(share=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    x, y = dist_cases.lm_data()
+    first = {}
+    for i in range(steps):
+        optimizer.zero_grad()
+        dist_cases.lm_loss(model(x), y).backward()
+        if i == 0:
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+        optimizer.step()
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def by_layer(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {re.sub(r"^partitions\.\d+\.", "", n): v for n, v in values.items()}
+
+
+def check(grads: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    plain_grads, plain_weights = plain(5)
+    assert torch.equal(weights["0.weight"], weights["5.weight"]), "the copies must stay bitwise identical"
+    torch.testing.assert_close(grads["0.weight"], plain_grads["0.weight"])  # embedding + projection
+    torch.testing.assert_close(grads["5.weight"], plain_grads["0.weight"])
+    for name, g in grads.items():
+        if name != "5.weight":
+            torch.testing.assert_close(g, plain_grads[name], msg=name)
+    for name, w in weights.items():
+        torch.testing.assert_close(w, plain_weights["0.weight" if name == "5.weight" else name], msg=name)
+
+
+def test_tied_in_one_process() -> None:
+    out = dist_cases.tied_training(5)
+    check(by_layer(out["grads"]), by_layer(out["weights"]))
+
+
+def test_tied_across_two_processes(tmp_path: Path) -> None:
+    ranks = run_ranks("tied_training", 2, tmp_path, steps=5)
+    grads = by_layer({n: g for r in ranks for n, g in r["grads"].items()})
+    weights = by_layer({n: w for r in ranks for n, w in r["weights"].items()})
+    assert "0.weight" in by_layer(ranks[0]["weights"]) and "5.weight" in by_layer(ranks[1]["weights"])
+    check(grads, weights)
+
+
+@pytest.mark.parametrize(
+    ("tied", "match"),
+    [
+        ([["0.weight"]], "at least two parameters"),
+        ([["0.weight", "9.weight"]], r"'9\.weight' is not '<layer index>\.<parameter name>' of a model of 6 layers"),
+        ([["0.weight", "2.weight"]], r"layer 2 has no parameter 'weight'"),
+        ([["0.weight", "1.weight"]], "different shapes"),
+    ],
+)
+def test_tie_errors(tied: list[list[str]], match: str) -> None:
+    model = dist_cases.tied_lm(share=False)
+    model[1] = nn.Linear(dist_cases.DIM, dist_cases.DIM + 1)
+    with pytest.raises(ValueError, match=match):
+        Pipeline(model, [3, 3], chunks=2, loss_fn=F.mse_loss, tied=tied, devices=["cpu", "cpu"])
