@@ -292,3 +292,15 @@ def tied_training(steps: int) -> dict[str, Any]:
         optimizer.step()
     weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     return {"grads": first, "weights": weights}
+
+
+def trace_of_rank() -> dict[str, Any]:
+    """Each rank's own trace: its worker's actions, with a timeline and a Chrome trace."""
+    world = int(os.environ["WORLD_SIZE"])
+    pipe = build("zb-h1", world, 4)
+    x, y = data()
+    pipe.step(x, y)
+    trace = pipe.last_trace
+    assert trace is not None
+    timeline = trace.timeline()
+    return {"actions": len(trace.events), "workers": timeline.schedule.num_workers, "busy": timeline.busy}

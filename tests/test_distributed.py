@@ -105,3 +105,10 @@ def test_data_parallel_times_pipeline(tmp_path: Path, schedule: str) -> None:
         assert set(merged) == set(reference["grads"])  # type: ignore[arg-type]
         for name, g in merged.items():
             torch.testing.assert_close(g, reference["grads"][name])  # type: ignore[index]
+
+
+def test_each_rank_traces_its_own_actions(tmp_path: Path) -> None:
+    ranks = run_ranks("trace_of_rank", 2, tmp_path)
+    for r in ranks:
+        assert r["actions"] == 3 * 4  # F, I, W of 4 micro-batches on its one stage
+        assert r["workers"] == 1 and r["busy"][0] > 0

@@ -37,10 +37,14 @@ class StepTrace:
         return min(e.start_ns for e in self.events)
 
     def timeline(self) -> Simulation:
-        """The measured timeline, in seconds from the step's first action."""
+        """The measured timeline, in seconds from the step's first action. Under torch.distributed a
+        rank records only its own actions: the timeline then holds this rank's worker alone."""
         t0 = self.origin_ns
         spans = {e.action: ((e.start_ns - t0) / 1e9, (e.end_ns - t0) / 1e9) for e in self.events}
-        return Simulation(self.schedule, spans)
+        recorded = tuple(tuple(a for a in acts if a in spans) for acts in self.schedule.actions)
+        schedule = Schedule(self.schedule.name, self.schedule.num_stages, self.schedule.num_microbatches,
+                            tuple(acts for acts in recorded if acts))  # fmt: skip
+        return Simulation(schedule, spans)
 
     def costs(self) -> dict[Action, float]:
         """Each action's measured duration in seconds: ``simulate(schedule, costs.__getitem__)``
