@@ -1,0 +1,209 @@
+"""The paper's Transformer T(L, H, A) as a sequence of layers, ready to be partitioned.
+
+- :func:`transformer` — encoder-decoder: L encoder and L decoder layers, feed-forward size H, A heads,
+  model dimension ``dim`` (1024 in the paper). Its layers pass a tuple along; the encoder's output
+  travels with the decoder's activations through the decoder stages::
+
+      (src, tgt) tokens ─ SourceEmbedding ─> (x, src_pad, tgt) ─ L x EncoderLayer ─>
+      ─ TargetEmbedding ─> (memory, src_pad, y, tgt_pad) ─ L x DecoderLayer ─ Output ─> logits (B, T, V)
+
+- :func:`transformer_lm` — decoder-only language model: ``Embedding ─ L x Block ─ Output``.
+
+The paper's two trainability tricks for deep models are built in: every feed-forward layer's
+initial weights are scaled down by the number of layers (``ff_init_scale``, default 1/L), and the
+output logits are clipped to ±``logit_clip`` (None: no clipping).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.recipe import clip_logits
+
+__all__ = ["parameter_count", "transformer", "transformer_lm"]
+
+Tuple = tuple[Any, ...]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float, init_scale: float) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.init_scale = init_scale
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.inner.reset_parameters()
+        self.outer.reset_parameters()
+        with torch.no_grad():
+            self.inner.weight.mul_(self.init_scale)
+            self.outer.weight.mul_(self.init_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.outer(self.dropout(torch.relu(self.inner(x))))
+        return out
+
+
+class _Embedding(nn.Module):
+    """Token embedding scaled by sqrt(dim) plus a learned position embedding."""
+
+    def __init__(self, vocab: int, dim: int, max_len: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(max_len, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.scale = math.sqrt(dim)
+
+    def forward(self, tokens: Tensor) -> Tensor:  # (B, T) -> (B, T, D)
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        out: Tensor = self.dropout(self.tokens(tokens) * self.scale + self.positions(positions))
+        return out
+
+
+def _causal(length: int, device: torch.device) -> Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)  # True: masked
+
+
+class SourceEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, max_len: int, dropout: float, pad: int) -> None:
+        super().__init__()
+        self.embed, self.pad = _Embedding(vocab, dim, max_len, dropout), pad
+
+    def forward(self, inputs: Tuple) -> Tuple:
+        src, tgt = inputs
+        return self.embed(src), src == self.pad, tgt
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int, dropout: float, ff_scale: float) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.ff = FeedForward(dim, hidden, dropout, ff_scale)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, inputs: Tuple) -> Tuple:
+        x, src_pad, tgt = inputs
+        h = self.norm1(x)
+        x = x + self.dropout(self.attn(h, h, h, key_padding_mask=src_pad, need_weights=False)[0])
+        x = x + self.dropout(self.ff(self.norm2(x)))
+        return x, src_pad, tgt
+
+
+class TargetEmbedding(nn.Module):
+    """Closes the encoder (final norm) and embeds the target tokens."""
+
+    def __init__(self, vocab: int, dim: int, max_len: int, dropout: float, pad: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.embed, self.pad = _Embedding(vocab, dim, max_len, dropout), pad
+
+    def forward(self, inputs: Tuple) -> Tuple:
+        x, src_pad, tgt = inputs
+        return self.norm(x), src_pad, self.embed(tgt), tgt == self.pad
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int, dropout: float, ff_scale: float, cross: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.self_attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.cross = cross
+        if cross:
+            self.norm2 = nn.LayerNorm(dim)
+            self.cross_attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.ff = FeedForward(dim, hidden, dropout, ff_scale)
+        self.dropout = nn.Dropout(dropout)
+
+    def _block(self, y: Tensor, tgt_pad: Tensor | None, memory: Tensor | None, src_pad: Tensor | None) -> Tensor:
+        h = self.norm1(y)
+        mask = _causal(y.size(1), y.device)
+        y = y + self.dropout(self.self_attn(h, h, h, attn_mask=mask, key_padding_mask=tgt_pad, need_weights=False)[0])
+        if self.cross:
+            h = self.norm2(y)
+            attended = self.cross_attn(h, memory, memory, key_padding_mask=src_pad, need_weights=False)[0]
+            y = y + self.dropout(attended)
+        out: Tensor = y + self.dropout(self.ff(self.norm3(y)))
+        return out
+
+    def forward(self, inputs: Any) -> Any:
+        if isinstance(inputs, Tensor):  # the decoder-only model: (B, T, D)
+            return self._block(inputs, None, None, None)
+        memory, src_pad, y, tgt_pad = inputs
+        return memory, src_pad, self._block(y, tgt_pad, memory, src_pad), tgt_pad
+
+
+class Output(nn.Module):
+    """Final norm and projection to the vocabulary, logits clipped to ±``logit_clip``."""
+
+    def __init__(self, dim: int, vocab: int, logit_clip: float | None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, vocab, bias=False)
+        self.logit_clip = logit_clip
+
+    def forward(self, inputs: Any) -> Tensor:
+        y = inputs if isinstance(inputs, Tensor) else inputs[2]
+        logits: Tensor = self.proj(self.norm(y))
+        return clip_logits(logits, self.logit_clip)  # (B, T, V)
+
+
+class TokenEmbedding(_Embedding):
+    """The decoder-only model's input layer."""
+
+
+def transformer(
+    layers: int,
+    hidden: int,
+    heads: int,
+    *,
+    dim: int = 1024,
+    vocab: int = 32000,
+    max_len: int = 512,
+    dropout: float = 0.1,
+    logit_clip: float | None = None,
+    ff_init_scale: float | None = None,
+    pad: int = 0,
+) -> nn.Sequential:
+    """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
+    ``heads`` attention heads. Input: a tuple (source tokens, target tokens), both (B, T); output:
+    logits (B, T_target, vocab)."""
+    scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
+    return nn.Sequential(
+        SourceEmbedding(vocab, dim, max_len, dropout, pad),
+        *[EncoderLayer(dim, hidden, heads, dropout, scale) for _ in range(layers)],
+        TargetEmbedding(vocab, dim, max_len, dropout, pad),
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, cross=True) for _ in range(layers)],
+        Output(dim, vocab, logit_clip),
+    )
+
+
+def transformer_lm(
+    layers: int,
+    hidden: int,
+    heads: int,
+    *,
+    dim: int = 1024,
+    vocab: int = 32000,
+    max_len: int = 512,
+    dropout: float = 0.1,
+    logit_clip: float | None = None,
+    ff_init_scale: float | None = None,
+) -> nn.Sequential:
+    """A decoder-only language model of ``layers`` blocks: input tokens (B, T), output logits
+    (B, T, vocab) predicting the next token."""
+    scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
+    return nn.Sequential(
+        TokenEmbedding(vocab, dim, max_len, dropout),
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, cross=False) for _ in range(layers)],
+        Output(dim, vocab, logit_clip),
+    )
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
