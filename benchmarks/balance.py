@@ -2,9 +2,9 @@
 
 The model: 10 Linear layers, each followed by GELU, whose widths make their costs differ by up to
 64x: three 2048x2048 layers (and the two that widen to and narrow from them) come first, then five
-256x256 ones, so that a uniform split puts nearly all the work on the first stage; batch 256, M=8, 2 'cpu' devices with one intra-op
-thread each, GPipe's fill-drain schedule with checkpoint='never'. Variants, taking turns within each
-repetition:
+256x256 ones, so that a uniform split puts nearly all the work on the first stage; batch 256, M=8,
+2 'cpu' devices with one intra-op thread each, GPipe's fill-drain schedule with checkpoint='never'.
+Variants, taking turns within each repetition:
 
 - uniform: the same number of layers per stage;
 - auto: ``balance='auto'`` (each layer timed on a micro-batch, split exactly);
