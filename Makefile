@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gpipe demo
+	$(BIN)/gpipe train --out runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

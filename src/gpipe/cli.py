@@ -3,6 +3,8 @@
 ``gpipe demo`` trains a small model with the pipeline on synthetic data, printing the schedule, its
 bubble and the loss of every step.
 
+``gpipe train`` trains the paper's Transformer (see :mod:`gpipe.train`).
+
 ``gpipe schedule --schedule 1f1b --stages 4 --chunks 8 [--virtual 2] [--out timeline.png]`` prints a
 schedule's bubble and peak in-flight activations and draws its timeline.
 """
@@ -110,6 +112,7 @@ def schedule(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline-parallel training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train the paper's Transformer with pipeline parallelism (see gpipe train -h)")
     d = sub.add_parser("demo", help="train a small model with the pipeline on synthetic data")
     d.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
     d.add_argument("--partitions", type=int, default=2, help="K, the number of stages (default: 2)")
@@ -140,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from gpipe.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual"):
         if getattr(args, name, 1) <= 0:

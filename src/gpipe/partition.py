@@ -4,7 +4,7 @@ cut safe: every layer in exactly one partition, no module or parameter shared be
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -130,14 +130,29 @@ def _initialized(index: int, init_seed: int, device: torch.device, build: Callab
         return build()
 
 
+def _reset_of(module: nn.Module) -> Callable[[], None] | None:
+    """A module's initializer: ``reset_parameters``, or the ``_reset_parameters`` some torch modules
+    (nn.MultiheadAttention) have instead."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return reset  # type: ignore[no-any-return]
+    return None
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
 def materialize(layer: nn.Module, index: int, device: torch.device, init_seed: int) -> nn.Module:
     """Give a layer built on the meta device real storage on ``device`` and initialize it with its
     ``reset_parameters`` methods, seeded by its global index."""
     unresettable = [
         type(m).__name__
         for m in layer.modules()
-        if not hasattr(m, "reset_parameters")
-        and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        if _reset_of(m) is None and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
     ]
     if unresettable:
         raise TypeError(
@@ -149,10 +164,10 @@ def materialize(layer: nn.Module, index: int, device: torch.device, init_seed: i
         # Like Module.to_empty, but with torch.empty_strided: empty_like from the meta device
         # touches the new memory, which doubles the peak of a stage being materialized.
         layer._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))  # type: ignore[no-untyped-call]
-        for m in layer.modules():
-            reset_parameters = getattr(m, "reset_parameters", None)
-            if callable(reset_parameters):
-                reset_parameters()
+        for m in _post_order(layer):  # children first, as their constructors ran before their parents'
+            reset = _reset_of(m)
+            if reset is not None:
+                reset()
         return layer
 
     return _initialized(index, init_seed, device, reset)

@@ -1,0 +1,351 @@
+"""``gpipe train``: train the paper's Transformer with pipeline parallelism, on the local devices or
+under torchrun with the same flags.
+
+    gpipe train                                   # the default: a small T(2, 256, 4) on synthetic data
+    gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
+    gpipe train --config run.toml --resume        # continue exactly where the last checkpoint left off
+    torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
+
+Every ``--eval-every`` steps it evaluates; metrics go to ``OUT/metrics.jsonl`` and the loss curve to
+``OUT/loss.png``; a checkpoint is written every ``--checkpoint-every`` steps, at the end, and on
+Ctrl-C. Batches and dropout are a pure function of (seed, step), so ``--resume`` reproduces the
+uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe.balance import balance_by_params
+from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.data import SyntheticTranslation, TextPairs
+from gpipe.models import transformer
+from gpipe.pipeline import Pipeline
+from gpipe.recipe import adafactor, clip_grad_norm_per_parameter, inverse_sqrt_schedule, label_smoothing_loss, rmsprop
+from gpipe.rng import derive_seed
+from gpipe.saving import _write_atomically, latest, load, save
+from gpipe.schedule import SCHEDULES, simulate
+
+__all__ = ["TrainConfig", "main", "train"]
+
+MODELS = ("transformer",)
+OPTIMIZERS = ("adam", "adafactor", "rmsprop")
+
+
+def _help(text: str) -> Any:
+    return field(metadata={"help": text})
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``gpipe train`` needs; each field is also a command-line flag."""
+
+    model: str = field(default="transformer", metadata={"help": f"the model: {', '.join(MODELS)}"})
+    layers: int = field(default=2, metadata={"help": "L: encoder layers (and as many decoder layers)"})
+    hidden: int = field(default=256, metadata={"help": "H: feed-forward size"})
+    heads: int = field(default=4, metadata={"help": "A: attention heads"})
+    dim: int = field(default=64, metadata={"help": "model dimension"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
+    partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
+    chunks: int = field(default=4, metadata={"help": "M: micro-batches per mini-batch"})
+    schedule: str = field(default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}"})
+    checkpoint: str = field(default="except_last", metadata={"help": "re-materialization: always, except_last, never"})
+    threads: int = field(
+        default=1, metadata={"help": "intra-op threads per stage, fixed so that runs are bitwise equal whatever K"}
+    )
+    batch: int = field(default=64, metadata={"help": "mini-batch size (sentence pairs)"})
+    steps: int = field(default=200, metadata={"help": "training steps"})
+    optimizer: str = field(default="adam", metadata={"help": f"the optimizer: {', '.join(OPTIMIZERS)}"})
+    lr: float = field(default=1e-2, metadata={"help": "peak learning rate of the inverse-sqrt schedule"})
+    warmup: int = field(default=30, metadata={"help": "warm-up steps of the inverse-sqrt schedule"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
+    clip_norm: float = field(default=1.0, metadata={"help": "per-parameter gradient-norm clipping (0: none)"})
+    temperature: float = field(default=5.0, metadata={"help": "T of the language-pair sampling"})
+    data: str = field(default="", metadata={"help": "a file of source<TAB>target lines (default: synthetic)"})
+    eval_every: int = field(default=50, metadata={"help": "evaluate every N steps"})
+    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
+    checkpoint_every: int = field(default=100, metadata={"help": "write a checkpoint every N steps"})
+    out: str = field(default="runs/default", metadata={"help": "output directory"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def check(self) -> None:
+        """Refuse bad values, naming them."""
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        positive = ("layers", "hidden", "heads", "dim", "partitions", "chunks", "batch", "steps", "warmup", "threads")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.dim % self.heads:
+            raise ValueError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+        layers = 2 * self.layers + 3
+        if self.partitions > layers:
+            raise ValueError(
+                f"--partitions {self.partitions} exceeds the model's {layers} layers "
+                f"(T({self.layers}, ...) has 2L + 3); use fewer partitions or more layers"
+            )
+
+
+def _flag_type(f: dataclasses.Field[Any]) -> Any:
+    kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
+    return (lambda v: v.lower() in ("1", "true", "yes", "on")) if kind is bool else kind
+
+
+def parse(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags."""
+    parser = argparse.ArgumentParser(
+        prog="gpipe train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", help="a TOML or JSON file of settings; flags override it")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f"{f.metadata['help']} (default: {f.default})")  # fmt: skip
+        else:
+            parser.add_argument(flag, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS,
+                                help=f"{f.metadata['help']} (default: {f.default!r})")  # fmt: skip
+    args = vars(parser.parse_args(argv))
+    settings: dict[str, Any] = {}
+    if args.get("config"):
+        settings = _read_config(args.pop("config"))
+    args.pop("config", None)
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown settings in the config file: {', '.join(unknown)}")
+    return TrainConfig(**{**settings, **args})
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the config file {path!r}: {exc}") from None
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adafactor":
+        return adafactor(params)
+    if cfg.optimizer == "rmsprop":
+        return rmsprop(params, lr=1.0)
+    return torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+
+
+def _share(value: float | None, pipe: Pipeline) -> float:
+    """A value known on the last stage's rank, on every rank."""
+    if not pipe.distributed:
+        assert value is not None
+        return value
+    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
+    t = t.to(pipe.devices[0]) if dist.get_backend() == "nccl" else t
+    last = (len(pipe.balance) - 1) % (dist.get_world_size() // pipe.data_parallel)
+    dist.broadcast(t, src=last)
+    return float(t.item())
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the final metrics."""
+    cfg.check()
+    out = Path(cfg.out)
+    data = (
+        TextPairs(cfg.data, seed=cfg.seed)
+        if cfg.data
+        else SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed)
+    )
+    with torch.device("meta"):
+        model = transformer(cfg.layers, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=data.vocab, max_len=64,
+                            dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
+    loss_fn = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    pipe = Pipeline(
+        model,
+        balance_by_params(cfg.partitions, model),  # parameters count on the meta device too
+        chunks=cfg.chunks,
+        schedule=cfg.schedule,
+        loss_fn=loss_fn,
+        checkpoint=cfg.checkpoint,
+        devices=None if distributed else ["cpu"] * cfg.partitions,
+        init_seed=cfg.seed,
+        cpu_threads=cfg.threads,
+    )
+    optimizer = _optimizer(cfg, pipe.parameters())
+    scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
+    start = _resume(cfg, pipe, optimizer, scheduler, out) if cfg.resume else 1
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    if _rank() == 0:
+        _truncate(metrics_path, start)
+    baseline = data.unigram_entropy()
+    bubble = simulate(pipe.schedule_for(cfg.chunks)).bubble
+    bar = _progress(cfg, start)
+    last: dict[str, Any] = {}
+    done = start - 1  # the last step whose update is complete: what a checkpoint holds
+    try:
+        for step in range(start, cfg.steps + 1):
+            torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
+            batch = data.batch(cfg.batch, step)
+            began = time.perf_counter()
+            optimizer.zero_grad()
+            loss = float(pipe.step(batch.inputs, batch.target_out))
+            if cfg.clip_norm:
+                clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
+            optimizer.step()
+            scheduler.step()
+            done = step
+            seconds = time.perf_counter() - began
+            last = {
+                "step": step,
+                "loss": loss,
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": batch.tokens / seconds,
+                "bubble": bubble,
+            }
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last["eval_loss"] = evaluate(pipe, data, cfg, loss_fn)
+            if _rank() == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(last) + "\n")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
+                    bar.update(1)
+            if step % cfg.checkpoint_every == 0:
+                _save(cfg, pipe, optimizer, scheduler, out, step)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        _save(cfg, pipe, optimizer, scheduler, out, done)
+        print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
+        raise
+    if bar is not None:
+        bar.close()
+    _save(cfg, pipe, optimizer, scheduler, out, done)
+    if _rank() == 0:
+        _plot(metrics_path, out / "loss.png", baseline)
+        nan = float("nan")
+        print(
+            f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f} "
+            f"(unigram-entropy baseline {baseline:.4f}); metrics in {metrics_path}, curve in {out / 'loss.png'}"
+        )
+    return {**last, "baseline": baseline}
+
+
+@torch.no_grad()
+def evaluate(pipe: Pipeline, data: Any, cfg: TrainConfig, loss_fn: Any) -> float:
+    pipe.eval()
+    losses = []
+    for i in range(cfg.eval_batches):
+        batch = data.batch(cfg.batch, i, split="eval")
+        logits = pipe(batch.inputs)
+        losses.append(float(loss_fn(logits, batch.target_out)) if logits is not None else 0.0)
+    pipe.train()
+    return _share(sum(losses) / len(losses), pipe)
+
+
+def _progress(cfg: TrainConfig, start: int) -> Any:
+    if not cfg.progress or _rank() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start - 1, desc="gpipe train", unit="step", dynamic_ncols=True)
+
+
+def _state_path(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:08d}" / f"optimizer-rank{_rank()}.pt"
+
+
+def _save(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, step: int) -> None:
+    if step < 1:
+        return
+    path = _state_path(out, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "partitions": cfg.partitions}
+    _write_atomically(path, lambda p: torch.save(state, p))
+    save(pipe, out / "checkpoints", step)  # the manifest and 'latest' come last
+
+
+def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path) -> int:
+    if latest(out / "checkpoints") is None:
+        raise ValueError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+    step = load(pipe, out / "checkpoints")
+    state = torch.load(_state_path(out, step), weights_only=False)
+    if state["partitions"] != cfg.partitions:
+        raise ValueError(
+            f"--resume needs the same --partitions as the checkpoint's optimizer state "
+            f"(checkpoint: {state['partitions']}, now: {cfg.partitions})"
+        )
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return step + 1
+
+
+def _truncate(path: Path, start: int) -> None:
+    """Drop metrics of steps at or after ``start`` (a resumed run writes them again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _plot(metrics: Path, path: Path, baseline: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
+    evals = [r for r in rows if "eval_loss" in r]
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.axhline(baseline, color="gray", ls="--", label=f"unigram entropy {baseline:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse(argv)
+        cfg.check()
+        train(cfg)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

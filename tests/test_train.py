@@ -1,0 +1,85 @@
+"""`gpipe train`: learning, partition invariance, exact resume, configuration and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpipe import train as train_module
+from gpipe.cli import main
+from gpipe.train import TrainConfig, parse, train
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def quick(out: Path, **kwargs: Any) -> TrainConfig:
+    return TrainConfig(out=str(out), progress=False, **kwargs)
+
+
+def test_learns_below_the_unigram_baseline_and_is_the_same_for_one_and_two_stages(tmp_path: Path) -> None:
+    two = train(quick(tmp_path / "k2", steps=200, partitions=2, eval_every=100))
+    one = train(quick(tmp_path / "k1", steps=200, partitions=1, eval_every=100))
+    assert losses(tmp_path / "k1") == losses(tmp_path / "k2")  # bitwise: the same floats
+    assert two["eval_loss"] < two["baseline"] - 0.5, (two["eval_loss"], two["baseline"])
+    assert one["eval_loss"] == two["eval_loss"]
+    assert (tmp_path / "k2" / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    train(quick(tmp_path / "full", steps=40, checkpoint_every=20, eval_every=20))
+    train(quick(tmp_path / "part", steps=20, checkpoint_every=20, eval_every=20))
+    train(quick(tmp_path / "part", steps=40, checkpoint_every=20, eval_every=20, resume=True))
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    assert [s for s, _ in losses(tmp_path / "part")] == list(range(1, 41))
+
+
+def test_ctrl_c_writes_a_final_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = train_module.SyntheticTranslation.batch
+
+    def interrupt_at_step_7(self: Any, size: int, step: int, split: str = "train") -> Any:
+        if step == 7 and split == "train":
+            raise KeyboardInterrupt
+        return real(self, size, step, split=split)
+
+    monkeypatch.setattr(train_module.SyntheticTranslation, "batch", interrupt_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(quick(tmp_path, steps=50))
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
+    monkeypatch.undo()
+    train(quick(tmp_path, steps=8, resume=True))
+    assert [s for s, _ in losses(tmp_path)] == list(range(1, 9))
+
+
+def test_config_file_and_flags(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text('partitions = 3\nschedule = "zb-h1"\nsteps = 7\n')
+    cfg = parse(["--config", str(config), "--steps", "9", "--no-progress"])
+    assert (cfg.partitions, cfg.schedule, cfg.steps, cfg.progress) == (3, "zb-h1", 9, False)
+
+
+def test_real_data_from_a_tab_separated_file(tmp_path: Path) -> None:
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"a{i} b{i} c\tx{i} y{i}\n" for i in range(20)))
+    result = train(quick(tmp_path / "out", data=str(data), steps=5, batch=8, eval_every=5))
+    assert result["step"] == 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "lstm"], "unknown model 'lstm'"),
+        (["--partitions", "9", "--layers", "2"], "--partitions 9 exceeds the model's 7 layers"),
+        (["--data", "/nonexistent/pairs.tsv"], "cannot read the data file '/nonexistent/pairs.tsv'"),
+        (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+        (["--resume"], "--resume: no checkpoint"),
+    ],
+)
+def test_bad_flags_and_data(tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", str(tmp_path / "x"), "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
