@@ -38,3 +38,25 @@ def test_example_runs_alike_in_one_process_and_under_torchrun(nproc: int, extra:
     assert len(one) == len(several) == 5
     assert several == pytest.approx(one, rel=1e-4)
     assert one[-1] < one[0]
+
+
+def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("WORLD_SIZE", None)
+    flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5"]
+    runs = {
+        "one": [sys.executable, "-m", "gpipe", *flags, "--out", str(tmp_path / "one")],
+        "two": [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+            "-m", "gpipe", *flags, "--out", str(tmp_path / "two"),
+        ],
+    }  # fmt: skip
+    for cmd in runs.values():
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one, two = ((tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in runs)
+    strip = [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in one]
+    assert [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in two] == strip
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000010").iterdir()) == [
+        "layers-00000-00003.pt", "layers-00004-00006.pt", "manifest.json", "optimizer-rank0.pt", "optimizer-rank1.pt",
+    ]  # fmt: skip
