@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from gpipe.stage import Stage
 
-__all__ = ["latest", "layer_state", "load", "save"]
+__all__ = ["latest", "layer_state", "load", "save", "write_atomically"]
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -56,7 +56,9 @@ def layer_state(model: nn.Module) -> dict[str, Tensor]:
     return {f"{i}.{name}": t.detach() for i, layer in _layers(model) for name, t in layer.state_dict().items()}
 
 
-def _write_atomically(path: Path, write: Any) -> None:
+def write_atomically(path: Path, write: Any) -> None:
+    """Call ``write(temporary_path)``, make it durable, then rename it to ``path``: readers see the
+    old file or the complete new one, never a half-written one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
@@ -87,15 +89,15 @@ def save(model: nn.Module, directory: str | os.PathLike[str], step: int) -> Path
             for j, layer in enumerate(stage.module)
             for name, t in layer.state_dict().items()
         }
-        _write_atomically(path, lambda p, state=state: torch.save(state, p))
+        write_atomically(path, lambda p, state=state: torch.save(state, p))
         files.append(path.name)
     _barrier(model)
     rank0 = not getattr(model, "distributed", False) or dist.get_rank() == 0
     if rank0:
         num_layers = sum(getattr(model, "balance", []))
         manifest = {"step": step, "num_layers": num_layers, "files": sorted(p.name for p in target.glob("layers-*.pt"))}
-        _write_atomically(target / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
-        _write_atomically(root / LATEST, lambda p: p.write_text(target.name))
+        write_atomically(target / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+        write_atomically(root / LATEST, lambda p: p.write_text(target.name))
     _barrier(model)
     return target
 

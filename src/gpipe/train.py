@@ -37,17 +37,13 @@ from gpipe.models import transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import adafactor, clip_grad_norm_per_parameter, inverse_sqrt_schedule, label_smoothing_loss, rmsprop
 from gpipe.rng import derive_seed
-from gpipe.saving import _write_atomically, latest, load, save
+from gpipe.saving import latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 
 __all__ = ["TrainConfig", "main", "train"]
 
 MODELS = ("transformer",)
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
-
-
-def _help(text: str) -> Any:
-    return field(metadata={"help": text})
 
 
 @dataclass(kw_only=True)
@@ -291,7 +287,7 @@ def _save(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out:
     path = _state_path(out, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "partitions": cfg.partitions}
-    _write_atomically(path, lambda p: torch.save(state, p))
+    write_atomically(path, lambda p: torch.save(state, p))
     save(pipe, out / "checkpoints", step)  # the manifest and 'latest' come last
 
 
