@@ -277,16 +277,23 @@ class Pipeline(nn.Module):
 
     def _share_loss(self, loss: Tensor | None) -> Tensor:
         """The mini-batch loss, from the last stage's rank (summed over the replicas) to every rank."""
+        if loss is not None and self._dp_group is not None:
+            loss = loss.detach().reshape(1).to(self._comm_device())
+            dist.all_reduce(loss, group=self._dp_group)
+            loss = loss[0]
+        return self.from_last_stage(loss)
+
+    def from_last_stage(self, value: Tensor | None) -> Tensor:
+        """A scalar known on the rank of the last stage (``None`` elsewhere), on every rank of the
+        pipeline; in one process, the value itself."""
         if not self.distributed:
-            assert loss is not None
-            return loss
+            assert value is not None
+            return value
         executor = self._executor
         assert isinstance(executor, DistributedExecutor)
         buf = torch.zeros(1, device=self._comm_device())
-        if loss is not None:
-            buf.copy_(loss.detach().reshape(1))
-            if self._dp_group is not None:
-                dist.all_reduce(buf, group=self._dp_group)
+        if value is not None:
+            buf.copy_(value.detach().reshape(1))
         last = executor.pipeline_ranks[(executor.num_stages - 1) % len(executor.pipeline_ranks)]
         dist.broadcast(buf, src=last, group=self._pp_group)
         return buf[0].to(self.devices[0])

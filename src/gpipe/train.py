@@ -159,18 +159,6 @@ def _optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.
     return torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
 
 
-def _share(value: float | None, pipe: Pipeline) -> float:
-    """A value known on the last stage's rank, on every rank."""
-    if not pipe.distributed:
-        assert value is not None
-        return value
-    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
-    t = t.to(pipe.devices[0]) if dist.get_backend() == "nccl" else t
-    last = (len(pipe.balance) - 1) % (dist.get_world_size() // pipe.data_parallel)
-    dist.broadcast(t, src=last)
-    return float(t.item())
-
-
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the final metrics."""
     cfg.check()
@@ -263,10 +251,11 @@ def evaluate(pipe: Pipeline, data: Any, cfg: TrainConfig, loss_fn: Any) -> float
     losses = []
     for i in range(cfg.eval_batches):
         batch = data.batch(cfg.batch, i, split="eval")
-        logits = pipe(batch.inputs)
-        losses.append(float(loss_fn(logits, batch.target_out)) if logits is not None else 0.0)
+        logits = pipe(batch.inputs)  # on the last stage's rank only, under torch.distributed
+        if logits is not None:
+            losses.append(loss_fn(logits, batch.target_out))
     pipe.train()
-    return _share(sum(losses) / len(losses), pipe)
+    return float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))
 
 
 def _progress(cfg: TrainConfig, start: int) -> Any:
