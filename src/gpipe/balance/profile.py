@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch, scatter
 
 __all__ = ["layer_memory", "layer_params", "layer_times"]
@@ -118,23 +119,11 @@ def _activation_bytes(layer: nn.Module, inputs: Batch, device: torch.device) -> 
         peak = torch.cuda.max_memory_allocated(device) - base
         del outputs
         return float(peak)
-    seen: set[int] = set()
-    total = 0
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-
-    def pack(t: Tensor) -> Tensor:
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = ActivationMeter({0: 0}, 1, layer.parameters())  # what a stage's meter counts, for one layer
+    with meter.recording(0, 0):
         outputs = Batch.of(layer(inputs.value))
-    for t in outputs.tensors():  # what it hands on, unless it also saved it
-        pack(t)
-    return float(total)
+    meter.hold(0, 0, outputs.tensors())  # what it hands on, unless it also saved it
+    return float(meter.peak[0])
 
 
 def layer_params(module: nn.Sequential) -> list[float]:
