@@ -13,6 +13,7 @@ from torch import nn
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
 from gpipe.distributed import init_from_env
 from gpipe.skip import pop, skippable, stash
+from tests.helpers import even
 
 
 def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
@@ -21,11 +22,6 @@ def mlp(dropout: float = 0.0, layers: int = 8) -> nn.Sequential:
     for _ in range(layers):
         mods += [nn.Linear(6, 6), nn.Dropout(dropout) if dropout else nn.Tanh()]
     return nn.Sequential(*mods)
-
-
-def even(layers: int, stages: int) -> list[int]:
-    base, extra = divmod(layers, stages)
-    return [base + (1 if k < extra else 0) for k in range(stages)]
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
