@@ -300,3 +300,59 @@ def trace_of_rank() -> dict[str, Any]:
     assert trace is not None
     timeline = trace.timeline()
     return {"actions": len(trace.events), "workers": timeline.schedule.num_workers, "busy": timeline.busy}
+
+
+class MaskedEmbed(nn.Module):
+    """Tokens -> (hidden states, a float mask built from the tokens alone: it needs no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = (tokens != 0).float().unsqueeze(-1).expand(-1, -1, 6).contiguous()
+        return self.embed(tokens), mask
+
+
+class MaskedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = inputs
+        return torch.tanh(self.lin(h)) * mask, mask
+
+
+def masked_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(MaskedEmbed(), MaskedLinear(), MaskedLinear(), MaskedLinear())
+
+
+def masked_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 10, (8, 5), generator=g)
+    return tokens, torch.randn(8, 5, 6, generator=g)
+
+
+def masked_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out[0], target)
+
+
+def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
+    """A float mask crosses every boundary: record what each gradient message carries."""
+    from gpipe import distributed
+
+    sent: list[list[str]] = []
+    send = distributed._Channel.send
+
+    def spy(channel: distributed._Channel, value: Any) -> None:
+        if channel.kind == "grad":
+            sent.append(["none" if v is None else "tensor" for v in value])
+        send(channel, value)
+
+    distributed._Channel.send = spy  # type: ignore[method-assign]
+    pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
+    x, y = masked_data()
+    loss = pipe.step(x, y)
+    return {"loss": loss, "grads": grads_of(pipe), "sent": sent}

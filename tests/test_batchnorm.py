@@ -69,3 +69,34 @@ def test_eval_uses_running_statistics() -> None:
 def test_without_deferred_batch_norm_modules_are_unchanged() -> None:
     gp = GPipe(bn_model(), [2, 3], devices=["cpu", "cpu"], chunks=2)
     assert not any(isinstance(m, DeferredBatchNorm) for m in gp.modules())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_plain_batch_norm_counts_each_microbatch_once_under_rematerialization(
+    checkpoint: str, momentum: float | None
+) -> None:
+    """Without deferred batch norm, each micro-batch updates the running statistics once, as a plain
+    run over the micro-batches one by one does: the recomputation in backward must not count again."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+    )  # fmt: skip
+    gp = GPipe(copy.deepcopy(plain), [2, 4], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint, cpu_threads=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels on both sides: the statistics compare bitwise
+    try:
+        for _ in range(2):
+            x = torch.randn(16, 3, 6, 6) * 2 + 1
+            for chunk in x.chunk(4):
+                plain(chunk)
+            gp(x).mean().backward()
+    finally:
+        torch.set_num_threads(threads)
+    plain_bns = [m for m in plain.modules() if isinstance(m, nn.BatchNorm2d)]
+    gp_bns = [m for m in gp.modules() if isinstance(m, nn.BatchNorm2d)]
+    for a, b in zip(gp_bns, plain_bns):
+        assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 8
+        assert torch.equal(a.running_mean, b.running_mean)
+        assert torch.equal(a.running_var, b.running_var)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gpipe.rng import derive_seed, layer_randomness
+from gpipe.rng import Seeded, derive_seed
 from tests.helpers import assert_all_equal, pipe, step
 from tests.test_transparency import conv_stack
 
@@ -72,16 +72,23 @@ def test_any_random_op_is_seeded_per_layer() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_layer_randomness_is_thread_local_and_restores_the_default_generator() -> None:
+def test_seeded_replays_and_restores_the_default_generator() -> None:
     torch.manual_seed(1)
     expected_after = torch.rand(3)
     torch.manual_seed(1)
-    with layer_randomness(derive_seed(5, 1, 2)):
-        a = torch.rand(4)  # the swap path (aten.rand has no generator argument)
-        b = torch.empty(4).bernoulli_(0.5)  # the generator-argument path
-    with layer_randomness(derive_seed(5, 1, 2)):
+    cpu = torch.device("cpu")
+    with Seeded(cpu, derive_seed(5, 1, 2), probe=True) as seeded:
+        a = torch.rand(4)
+        b = torch.empty(4).bernoulli_(0.5)
+    assert seeded.drew
+    with Seeded(cpu, derive_seed(5, 1, 2)):
         assert torch.equal(torch.rand(4), a)
         assert torch.equal(torch.empty(4).bernoulli_(0.5), b)
+    with Seeded(cpu, derive_seed(5, 1, 3)):
+        assert not torch.equal(torch.rand(4), a)
+    with Seeded(cpu, 1, probe=True) as quiet:
+        torch.ones(3).mul(2)
+    assert not quiet.drew
     assert torch.equal(torch.rand(3), expected_after), "the user's generator stream must be untouched"
 
 

@@ -11,10 +11,10 @@ in the order the producing rank sends (read off the schedule), and leaves what a
 mailbox the actions read from. Communication therefore overlaps compute.
 
 The wire format of a message: an 8-byte header (0 when the message's layout — dtypes, shapes, the
-values that are not tensors — is the one the channel last carried, else the length of the new
-layout), the layout if it changed (pickled), then every tensor's bytes. Layouts are thus exchanged
-once and cached per channel, and renegotiated when the input shape changes. Any dtype travels, as
-raw bytes.
+values that are not tensors, which values need a gradient — is the one the channel last carried,
+else the length of the new layout), the layout if it changed (pickled), then every tensor's bytes.
+Layouts are thus exchanged once and cached per channel, and renegotiated when the input shape
+changes. Any dtype travels, as raw bytes.
 
 Failures: a rank whose step raises (or which loses a peer) records the failure in the process
 group's store; every other rank watches the store during a step and stops its step with a
@@ -91,8 +91,10 @@ def _layout(value: Batch | tuple[Tensor | None, ...]) -> tuple[bytes, list[Tenso
             tensors.append(v)
         else:
             items.append(("v", v))
-    atomic, skips = (value.atomic, value.skips) if isinstance(value, Batch) else (None, ())
-    return pickle.dumps((atomic, skips, items)), tensors
+    atomic, skips, flags = (
+        (value.atomic, value.skips, value.needs_grad) if isinstance(value, Batch) else (None, (), None)
+    )
+    return pickle.dumps((atomic, skips, flags, items)), tensors
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -133,7 +135,7 @@ class _Channel:
             self.received_layout = raw.cpu().numpy().tobytes()
         if self.received_layout is None:
             raise RuntimeError(f"{self}: first message carried no layout")
-        atomic, skips, items = pickle.loads(self.received_layout)
+        atomic, skips, flags, items = pickle.loads(self.received_layout)
         values: list[Any] = []
         for item in items:
             if item[0] == "v":
@@ -144,7 +146,7 @@ class _Channel:
             if t.numel():
                 dist.recv(_as_bytes(t), self.src, group=self.group)
             values.append(t)
-        return tuple(values) if atomic is None else Batch(tuple(values), atomic, skips)
+        return tuple(values) if atomic is None else Batch(tuple(values), atomic, skips, flags)
 
 
 class _RoutedMailbox(_Mailbox):

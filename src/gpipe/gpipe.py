@@ -204,7 +204,9 @@ class _PipelineBackward(torch.autograd.Function):
     def forward(ctx: Any, backprop: _Backprop, phony: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.backprop = backprop
         outputs = backprop.gathered()
-        ctx.mark_non_differentiable(*(t for t in outputs if not (t.is_floating_point() or t.is_complex())))
+        flags = backprop.outputs[0].grad_flags()
+        needs = [flags[i] for i in backprop.tensor_positions]
+        ctx.mark_non_differentiable(*(t for t, n in zip(outputs, needs) if not n))
         return outputs
 
     @staticmethod

@@ -23,12 +23,16 @@ class Batch:
     """One micro-batch: a single tensor (``atomic``) or a tuple of values.
 
     Between stages a batch also carries the skip connections stashed and not yet popped
-    (:mod:`gpipe.skip`): their tensors are the last ``len(skips)`` values, ``skips`` their names.
+    (:mod:`gpipe.skip`): their tensors are the last ``len(skips)`` values, ``skips`` their names;
+    and ``needs_grad``, per value, whether it depends on something that requires grad (only those
+    get a gradient back; ``None`` where not known, as for a mini-batch's own micro-batches, whose
+    tensors say it themselves).
     """
 
     values: tuple[Any, ...]
     atomic: bool
     skips: tuple[str, ...] = ()
+    needs_grad: tuple[bool, ...] | None = None
 
     @staticmethod
     def of(value: Any) -> Batch:
@@ -60,7 +64,17 @@ class Batch:
 
     def map(self, fn: Callable[[Tensor], Any]) -> Batch:
         """Apply ``fn`` to every tensor, keeping the other values."""
-        return Batch(tuple(fn(v) if isinstance(v, Tensor) else v for v in self.values), self.atomic, self.skips)
+        values = tuple(fn(v) if isinstance(v, Tensor) else v for v in self.values)
+        return Batch(values, self.atomic, self.skips, self.needs_grad)
+
+    def grad_flags(self) -> tuple[bool, ...]:
+        """Per value, whether it needs a gradient: ``needs_grad``, or what the tensors say."""
+        if self.needs_grad is not None:
+            return self.needs_grad
+        return tuple(isinstance(v, Tensor) and v.requires_grad for v in self.values)
+
+    def flagged(self, needs_grad: tuple[bool, ...]) -> Batch:
+        return Batch(self.values, self.atomic, self.skips, needs_grad)
 
     def __len__(self) -> int:
         return len(self.values)

@@ -1,34 +1,51 @@
 """Randomness that follows the model, not the schedule.
 
-Every random draw inside layer ``i`` on micro-batch ``m`` (dropout masks, ``torch.rand``, ...) comes
-from a generator seeded with ``seed(step, i, m)``. The numbers a layer sees therefore do not depend on
-how many partitions there are, on the balance, on the order in which a schedule runs the
-micro-batches, or on concurrent workers drawing at the same time; and the recomputation of a forward
-in backward, seeded alike, replays exactly what the forward drew.
+Every random draw inside layer ``i`` on micro-batch ``m`` (dropout masks, ``torch.rand``, the seeds
+of a compiled graph's random ops, ...) comes from a stream seeded with ``derive_seed(step, i, m)``.
+The numbers a layer sees therefore do not depend on how many partitions there are, on the balance,
+on the order in which a schedule runs the micro-batches, or on concurrent workers; and the
+recomputation of a forward in backward, seeded alike, replays exactly what the forward drew.
+
+How: around such a layer call the device's *default* generator is lent to the layer — its state is
+saved, it is seeded with the layer's seed, and the saved state is put back afterwards
+(:class:`Seeded`). Nothing is intercepted per operator, so eager kernels and ``torch.compile``'d
+graphs (whose random ops take their seeds from the default generator) run at full speed; on CUDA
+the generator's state is a seed and an offset kept on the host, so lending it needs no device
+synchronization. Each device's generator is lent to one layer call at a time (a lock per device):
+workers on different GPUs never wait for each other, workers sharing a device (several ``'cpu'``
+workers in one process) take turns for the layers that draw random numbers.
+
+Layers that draw nothing pay nothing: a stage learns on a layer's first call whether it draws
+(:attr:`Seeded.drew`), and later calls of a layer that does not draw go straight to the layer. A
+layer holding a module that may draw (dropout of any probability) is always seeded, so that a
+probability raised later in training is seeded too.
 
 The step's seed is drawn from PyTorch's default generator, so ``torch.manual_seed`` makes a run
 reproducible and successive steps draw fresh numbers.
-
-How: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (thread-local, so each worker has its
-own) sees every ATen operator tagged ``nondeterministic_seeded``. Where the operator takes a
-``generator`` argument it is given the layer's generator; otherwise the device's default generator is
-swapped for the layer's one for the duration of that operator, under a lock.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from types import TracebackType
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
 
-__all__ = ["derive_seed", "layer_randomness", "step_seed"]
+__all__ = ["Seeded", "derive_seed", "may_draw", "step_seed"]
 
 _MASK = (1 << 64) - 1
-_SWAP_LOCK = threading.Lock()
+
+# Modules whose forward draws random numbers in training (whatever their probability today).
+_RANDOM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.RReLU,
+)
 
 
 def _splitmix64(x: int) -> int:
@@ -48,64 +65,73 @@ def step_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
-def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v.device
-        if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
-            return v[0].device
-    device = kwargs.get("device")
-    return torch.device(device) if device is not None else torch.device("cpu")
+def may_draw(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds a module known to draw random numbers in training (dropout, RReLU)."""
+    return any(isinstance(m, _RANDOM_MODULES) for m in layer.modules())
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
+_LOCKS: dict[torch.device, threading.RLock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock(device: torch.device) -> threading.RLock:
+    lock = _LOCKS.get(device)
+    if lock is None:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(device, threading.RLock())
+    return lock
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The default generator random operators on ``device`` draw from."""
     if device.type == "cpu":
         return torch.default_generator
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
-    raise RuntimeError(f"gpipe cannot seed random numbers on a {device.type!r} device")
+    raise RuntimeError(
+        f"gpipe seeds random numbers on 'cpu' and 'cuda' devices, not on {device.type!r}; run the stage on one of those"
+    )
 
 
-class _LayerRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, seed: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.seed = seed
-        self.generators: dict[torch.device, torch.Generator] = {}
+class Seeded:
+    """Lend ``device``'s default generator, seeded with ``seed``, to the code inside the context.
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
+    With ``probe=True`` the context also finds out whether that code drew random numbers there
+    (:attr:`drew`, set on exit). The generator's own state is restored on exit, so the caller's
+    stream of random numbers is untouched.
+    """
+
+    __slots__ = ("_fresh", "_gen", "_lock", "_probe", "_saved", "device", "drew", "seed")
+
+    def __init__(self, device: torch.device, seed: int, *, probe: bool = False) -> None:
+        self.device, self.seed = device, seed
+        self._probe = probe
+        self.drew = True
+        self._gen = default_generator(device)
+        self._lock = _lock(device)
+
+    def __enter__(self) -> Seeded:
+        self._lock.acquire()
+        try:
+            gen = self._gen
+            self._saved = gen.get_state()
             gen.manual_seed(self.seed)
-            self.generators[device] = gen
-        return gen
+            if self._probe:
+                self._fresh = gen.get_state() if self.device.type != "cuda" else torch.empty(0)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
-            return func(*args, **kwargs)
-        device = _op_device(args, kwargs)
-        gen = self._generator(device)
-        if kwargs.get("generator") is None and any(a.name == "generator" for a in func._schema.arguments):
-            return func(*args, **{**kwargs, "generator": gen})
-        default = _default_generator(device)
-        with _SWAP_LOCK:
-            saved = default.get_state()
-            default.set_state(gen.get_state())
-            try:
-                out = func(*args, **kwargs)
-                gen.set_state(default.get_state())
-            finally:
-                default.set_state(saved)
-        return out
-
-
-@contextmanager
-def layer_randomness(seed: int) -> Iterator[None]:
-    """Within this context, on this thread, every random operator draws from a generator seeded with
-    ``seed`` (one per device)."""
-    with _LayerRandomness(seed):
-        yield
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        gen = self._gen
+        try:
+            if self._probe:
+                if self.device.type == "cuda":
+                    self.drew = gen.get_offset() != 0  # manual_seed starts the offset at 0
+                else:
+                    self.drew = not torch.equal(gen.get_state(), self._fresh)
+            gen.set_state(self._saved)
+        finally:
+            self._lock.release()

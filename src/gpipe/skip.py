@@ -88,15 +88,27 @@ def pop(name: str) -> Tensor:
     return skips.pop(name)  # type: ignore[no-any-return]
 
 
+def enter(skips: dict[str, Any]) -> Any:
+    """From now on, on this thread, :func:`stash` and :func:`pop` use ``skips``; returns what
+    :func:`leave` needs to put the previous table back. (A pair of calls, not a context manager:
+    a stage enters one per micro-batch, and the hot path stays cheap.)"""
+    before = getattr(_local, "skips", None)
+    _local.skips = skips
+    return before
+
+
+def leave(before: Any) -> None:
+    _local.skips = before
+
+
 @contextmanager
 def scope(skips: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Within this context, on this thread, :func:`stash` and :func:`pop` use ``skips``."""
-    before = getattr(_local, "skips", None)
-    _local.skips = skips
+    before = enter(skips)
     try:
         yield skips
     finally:
-        _local.skips = before
+        leave(before)
 
 
 def check_skips(layers: Sequence[nn.Module]) -> None:

@@ -11,8 +11,9 @@ the layers back computing input gradients only, keeping each layer's output grad
 computes each layer's weight gradients from them. The split is exact at layer boundaries (W does not
 redo I's work); a re-materialized micro-batch is recomputed once, by I.
 
-The last stage may compute the loss: ``loss_fn(output, target)`` per micro-batch, scaled by the
-micro-batch's share of the mini-batch, so that the gradients are those of the mini-batch's mean loss.
+The last stage may compute the loss: ``loss_fn(output, target)`` per micro-batch, scaled by what the
+step says (the micro-batch's share of the mini-batch's samples, or one over the items the mini-batch
+counts), so that the gradients are those of the mini-batch's mean loss.
 
 Stages hold no per-step state: what a forward keeps for its backward is returned to the caller
 (an executor), which hands it back.
@@ -20,6 +21,7 @@ Stages hold no per-step state: what a forward keeps for its backward is returned
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -27,12 +29,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from gpipe import skip
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import checkpointing, recomputing
 from gpipe.microbatch import Batch
-from gpipe.rng import derive_seed, layer_randomness
+from gpipe.rng import Seeded, derive_seed, may_draw
 
 __all__: list[str] = []
 
@@ -92,18 +95,24 @@ class Saved:
 
     ``inputs``: the stage's input leaves. ``outputs``: the outputs with their autograd graph, unless
     re-materialized. ``tape``: for a split backward, each layer's (input leaves, outputs).
-    ``output_grads``: after I, each taped layer's output gradients, for W.
+    ``output_grads``: after I, each taped layer's output gradients, for W; ``weight_grads``: the
+    weight gradients I already computed, for layers whose backward cannot be split (compiled ones).
     """
 
     inputs: Batch
     outputs: Batch | None
     tape: list[tuple[Batch, Batch]] | None = None
     output_grads: list[Grads] = field(default_factory=list)
+    weight_grads: dict[int, Grads] = field(default_factory=dict)
 
 
 def _leaf(t: Tensor) -> Tensor:
-    differentiable = t.is_floating_point() or t.is_complex()
-    return t.detach().requires_grad_(differentiable)
+    """A fresh autograd leaf with ``t``'s values, requiring grad where ``t`` does."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def _clone(t: Tensor) -> Tensor:
+    return t.clone()
 
 
 def _pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:
@@ -113,6 +122,75 @@ def _pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:
             outs.append(o)
             gs.append(g)
     return outs, gs
+
+
+def _running_stats(module: nn.Module) -> list[_NormBase]:
+    """The norm layers (plain BatchNorm, InstanceNorm with running statistics, ...) whose forward
+    updates running statistics in training — DeferredBatchNorm excepted, which counts itself."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.track_running_stats and not isinstance(m, DeferredBatchNorm)
+    ]
+
+
+def _compiled(layer: nn.Module) -> bool:
+    """Whether ``layer`` is or holds a ``torch.compile``'d module."""
+    if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
+        return False
+    optimized = torch._dynamo.eval_frame.OptimizedModule
+    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None for m in layer.modules())
+
+
+def _stats_of(norm: _NormBase) -> list[Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return [t for t in (getattr(norm, n, None) for n in names) if isinstance(t, Tensor)]
+
+
+def _keep(t: Tensor) -> Tensor:
+    return t
+
+
+class _InPlace:
+    """Which stage inputs a stage's layers modify in place, learned per *entry* (the stage's own
+    input, or under a split backward each layer's input) and per training mode.
+
+    A stage input is an autograd leaf (autograd refuses in-place changes to a leaf that requires
+    grad) and, when the micro-batch is re-materialized, the very tensor the recomputation starts
+    from. So the first time an entry is met, every tensor entering there is cloned and the clones'
+    version counters tell which ones a layer modified; from then on exactly those are cloned. A
+    change in place that appears later is still caught: by autograd, or by the inputs' version
+    counters, with a message naming the stage and the way out.
+    """
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[int, bool], tuple[int, ...]] = {}
+
+    def feed(self, entry: int, training: bool, state: Batch) -> tuple[Batch, Any]:
+        """What to hand the layers at ``entry``, and a token for :meth:`check`."""
+        cloned = self.known.get((entry, training))
+        if cloned is None:  # first time here: clone everything, find out
+            return state.map(_clone), None
+        versions = tuple(v._version if isinstance(v, Tensor) else 0 for v in state.values)
+        if cloned:
+            values = tuple(_clone(v) if i in cloned else v for i, v in enumerate(state.values))
+            state = Batch(values, state.atomic, state.skips, state.needs_grad)
+        return state, versions
+
+    def check(self, entry: int, training: bool, given: Batch, fed: Batch, token: Any, where: str) -> None:
+        """After the layers ran: learn (first time) or verify that no un-cloned input changed."""
+        if token is None:
+            changed = tuple(i for i, v in enumerate(fed.values) if isinstance(v, Tensor) and v._version)
+            self.known[(entry, training)] = changed
+            return
+        for i, (v, before) in enumerate(zip(given.values, token)):
+            if isinstance(v, Tensor) and v._version != before and i not in self.known[(entry, training)]:
+                raise RuntimeError(
+                    f"{where} modified its input {i} in place, which it did not do on its first run "
+                    "(so gpipe did not protect it): the input a re-materialized micro-batch is recomputed "
+                    "from is now lost. Make the in-place operation unconditional or out of place "
+                    "(e.g. inplace=False)"
+                )
 
 
 class Stage:
@@ -127,6 +205,15 @@ class Stage:
         self.device = device
         self.loss_fn = loss_fn
         self._deferred_bn = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        self._norms = _running_stats(module)
+        # (position in the stage, training) -> whether the layer draws random numbers; layers that
+        # hold a dropout are seeded in training from the start, the others learn it on first call.
+        self._draws = {(i, True): True for i, layer in enumerate(module) if may_draw(layer)}
+        self._in_place = _InPlace()
+        # Layers whose backward is one compiled graph: a split backward runs it once (see backward_input).
+        self._fused = {i for i, layer in enumerate(module) if _compiled(layer)}
+        # (input grad flags, training) -> output grad flags, for forwards run without autograd.
+        self._flows: dict[tuple[tuple[bool, ...], bool], tuple[bool, ...]] = {}
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, layers {self.first}..{self.first + len(self.module) - 1}, {self.device})"
@@ -152,51 +239,114 @@ class Stage:
                 out = loss_fn(value, target)
                 if not isinstance(out, Tensor) or out.dim() != 0:
                     shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                    raise TypeError(f"loss_fn must return a scalar tensor (got {shape}); reduce it with a mean")
+                    raise TypeError(
+                        f"loss_fn must return a scalar tensor (got {shape}); reduce it with a mean "
+                        "(or a sum, with Pipeline(loss_count=...))"
+                    )
                 return out * scale
 
             layers.append(loss)
         return layers
 
+    def _call(self, i: int, layer: Callable[[Any], Any], value: Any, m: int, ctx: StepContext) -> Any:
+        """Call the ``i``-th function of the stage on micro-batch ``m``: seeded by (step, layer,
+        micro-batch) if it draws random numbers (learned on its first call), else plainly."""
+        key = (i, ctx.training)
+        draws = self._draws.get(key)
+        if draws is False:
+            return layer(value)
+        with Seeded(self.device, derive_seed(ctx.seed, self.first + i, m), probe=draws is None) as seeded:
+            out = layer(value)
+        if draws is None:
+            self._draws[key] = seeded.drew
+        return out
+
+    def _where(self, i: int) -> str:
+        layers = list(self.module)
+        name = type(layers[i]).__name__ if i < len(layers) else "loss_fn"
+        return f"layer {self.first + i} ({name}) of stage {self.index}"
+
     def _run(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]] | None = None) -> Batch:
         """Run the layers on ``batch``; the skip connections it carries are stashed and popped on
-        the way, and those still open leave with the output."""
+        the way, and those still open leave with the output. Without a tape, the skips live in one
+        table for the whole stage; with one, every layer's are recorded with its output."""
+        if tape is not None:
+            return self._run_taped(m, batch, ctx, tape)
+        protect = ctx.grad_enabled  # a forward kept for backward: its inputs must stay as they were
+        fed, token = self._in_place.feed(-1, ctx.training, batch) if protect else (batch, None)
+        skips = fed.skip_items()
+        before = skip.enter(skips)
+        try:
+            value = fed.value
+            for i, layer in enumerate(self._layers(m, ctx)):
+                value = self._call(i, layer, value, m, ctx)
+        finally:
+            skip.leave(before)
+        if protect:
+            self._in_place.check(-1, ctx.training, batch, fed, token, f"stage {self.index}")
+        out = Batch.of(value)
+        return out.with_skips(skips) if skips or batch.skips else out
+
+    def _run_taped(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]]) -> Batch:
         state = batch
         for i, layer in enumerate(self._layers(m, ctx)):
-            if tape is not None and i:
-                state = state.map(_leaf)
-            leaves = state
-            with layer_randomness(derive_seed(ctx.seed, self.first + i, m)), skip.scope(state.skip_items()) as skips:
-                value = layer(state.value)
-            state = Batch.of(value).with_skips(skips) if skips or state.skips else Batch.of(value)
-            if tape is not None:
-                tape.append((leaves, state))
+            leaves = state.map(_leaf) if i else state
+            fed, token = self._in_place.feed(i, ctx.training, leaves)
+            skips = fed.skip_items()
+            before = skip.enter(skips)
+            try:
+                value = self._call(i, layer, fed.value, m, ctx)
+            finally:
+                skip.leave(before)
+            self._in_place.check(i, ctx.training, leaves, fed, token, self._where(i))
+            state = Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
+            tape.append((leaves, state))
         return state
 
-    def _input_leaf(self, t: Tensor) -> Tensor:
+    def _input_leaf(self, t: Tensor, needs_grad: bool) -> Tensor:
         differentiable = t.is_floating_point() or t.is_complex()
-        requires = t.requires_grad if self.index == 0 else differentiable
-        return t.detach().requires_grad_(requires and differentiable)
+        return t.detach().requires_grad_(needs_grad and differentiable)
 
     def forward(self, m: int, batch: Batch, ctx: StepContext, *, split: bool = False) -> tuple[Batch, Saved | None]:
-        """Forward of micro-batch ``m``. Returns the (detached) output and what backward needs;
-        ``split`` records the tape a split backward (I, W) needs."""
+        """Forward of micro-batch ``m``. Returns the (detached) output, flagged with which values
+        need a gradient, and what backward needs; ``split`` records the tape a split backward (I, W)
+        needs."""
         if not ctx.grad_enabled:
             with torch.no_grad():
                 return self._run(m, batch, ctx), None
-        inputs = batch.map(self._input_leaf)
+        flags = batch.grad_flags()
+        leaves = tuple(self._input_leaf(v, f) if isinstance(v, Tensor) else v for v, f in zip(batch.values, flags))
+        inputs = Batch(leaves, batch.atomic, batch.skips, flags)
+        key = (flags, ctx.training)
         if m < ctx.checkpoint_stop:
-            with torch.no_grad(), checkpointing():
-                return self._run(m, inputs, ctx), Saved(inputs, None)
+            flows = self._flows.get(key)
+            if flows is not None:
+                with torch.no_grad(), checkpointing():
+                    return self._run(m, inputs, ctx).flagged(flows), Saved(inputs, None)
+            # Once per kind of input: run with autograd on to learn which outputs need a gradient
+            # (then drop the graph); the values are the same as without autograd.
+            with torch.enable_grad(), checkpointing(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                outputs = self._run(m, inputs, ctx)
+            self._flows[key] = outputs.grad_flags()
+            return outputs.map(Tensor.detach).flagged(self._flows[key]), Saved(inputs, None)
         tape: list[tuple[Batch, Batch]] | None = [] if split else None
         with torch.enable_grad():
             outputs = self._run(m, inputs, ctx, tape)
-        return outputs.map(Tensor.detach), Saved(inputs, outputs, tape)
+        self._flows[key] = flows = outputs.grad_flags()
+        return outputs.map(Tensor.detach).flagged(flows), Saved(inputs, outputs, tape)
 
     def _recompute(self, m: int, saved: Saved, ctx: StepContext, *, split: bool) -> Batch:
         tape: list[tuple[Batch, Batch]] | None = [] if split else None
-        with torch.enable_grad(), recomputing():
-            outputs = self._run(m, saved.inputs, ctx, tape)
+        # The forward already updated the running statistics; the recomputation must not again.
+        stats = [(t, t.clone()) for norm in self._norms for t in _stats_of(norm)] if ctx.training else []
+        try:
+            with torch.enable_grad(), recomputing():
+                outputs = self._run(m, saved.inputs, ctx, tape)
+        finally:
+            # Through .data: the version counters stay as the recomputed graph saw them (the norm
+            # layers' backward in training does not read the running statistics).
+            for t, before in stats:
+                t.data.copy_(before)
         saved.outputs, saved.tape = outputs, tape
         return outputs
 
@@ -216,21 +366,38 @@ class Stage:
             torch.autograd.backward(outs, gs)
         return tuple(v.grad if isinstance(v, Tensor) else None for v in saved.inputs.values)
 
+    def _params(self, j: int) -> list[Tensor]:
+        layers = self.module
+        return [p for p in layers[j].parameters() if p.requires_grad] if j < len(layers) else []
+
     def backward_input(self, m: int, saved: Saved, grads: Grads, ctx: StepContext) -> Grads:
         """Input-gradient backward (I): walks the tape back computing only input gradients, and keeps
-        each layer's output gradients for :meth:`backward_weight`."""
+        each layer's output gradients for :meth:`backward_weight`.
+
+        A compiled layer's backward is one graph that computes input and weight gradients together
+        and may be run only once: for it, I computes both and keeps the weight gradients, and W
+        accumulates them."""
         if saved.tape is None:
             self._recompute(m, saved, ctx, split=True)
         assert saved.tape is not None and saved.outputs is not None
         self._check_grads(m, grads, saved.outputs)
         per_layer: list[Grads] = []
-        for leaves, outputs in reversed(saved.tape):
+        for j in reversed(range(len(saved.tape))):
+            leaves, outputs = saved.tape[j]
             per_layer.append(grads)
             outs, gs = _pairs(outputs, grads)
             wanted = [v for v in leaves.values if isinstance(v, Tensor) and v.requires_grad]
-            found = iter(
-                torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True) if outs and wanted else ()
-            )
+            if j in self._fused:
+                params = self._params(j)
+                both = torch.autograd.grad(outs, wanted + params, gs, allow_unused=True) if outs else ()
+                saved.weight_grads[j] = tuple(both[len(wanted) :])
+                found = iter(both[: len(wanted)])
+            else:
+                found = iter(
+                    torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
+                    if outs and wanted
+                    else ()
+                )
             grads = tuple(
                 next(found, None) if isinstance(v, Tensor) and v.requires_grad else None for v in leaves.values
             )
@@ -240,14 +407,20 @@ class Stage:
     def backward_weight(self, m: int, saved: Saved) -> None:
         """Weight-gradient backward (W), after :meth:`backward_input` of the same micro-batch."""
         assert saved.tape is not None, "W before I"
-        layers = list(self.module)
         for j, ((_, outputs), grads) in enumerate(zip(saved.tape, saved.output_grads)):
-            params = [p for p in layers[j].parameters() if p.requires_grad] if j < len(layers) else []
+            params = self._params(j)
+            if j in saved.weight_grads:
+                with torch.no_grad():
+                    for p, g in zip(params, saved.weight_grads[j]):
+                        if g is not None:
+                            p.grad = g if p.grad is None else p.grad.add_(g)
+                continue
             outs, gs = _pairs(outputs, grads)
             if params and outs:
                 torch.autograd.backward(outs, gs, inputs=params)
         saved.tape = None
         saved.output_grads = []
+        saved.weight_grads = {}
 
     def finish_forwards(self) -> None:
         """All forwards of the step are done: fold the micro-batches' batch-norm statistics."""
