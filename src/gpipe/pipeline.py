@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,8 +62,15 @@ class Pipeline(nn.Module):
         chunks: M, the number of micro-batches of a mini-batch.
         schedule: one of ``gpipe.schedule.SCHEDULES``: 'gpipe' (fill-drain), '1f1b',
             'interleaved-1f1b', 'zb-h1'.
-        loss_fn: ``loss_fn(output, target) -> scalar`` with a mean reduction, applied per
-            micro-batch; the step's gradients are those of the mean loss over the mini-batch.
+        loss_fn: ``loss_fn(output, target) -> scalar``, applied per micro-batch: by default a mean
+            over the micro-batch's samples, weighted by its share of the mini-batch's samples, so
+            that the step's gradients are those of the mean loss over the mini-batch.
+        loss_count: for losses averaged over *items* that micro-batches hold different numbers of
+            (tokens that are not padding, targets that are not ``ignore_index``):
+            ``loss_count(target)`` counts the items of a target, ``loss_fn`` then returns the
+            micro-batch's *sum* over its items, and the step's loss and gradients are those of the
+            mini-batch's item mean: sum over micro-batches / count over the mini-batch (0 when
+            it counts none). E.g. ``gpipe.recipe.count_tokens(pad)`` with a summed token loss.
         checkpoint: which micro-batches are re-materialized ('always', 'except_last', 'never').
         devices: one device per worker (default: the GPUs, or 'cpu' for each).
         virtual: stages per device (for 'interleaved-1f1b').
@@ -99,12 +106,18 @@ class Pipeline(nn.Module):
         init_seed: int = 0,
         sample: Any = None,
         tied: Sequence[Sequence[str]] = (),
+        loss_count: Callable[[Any], int | Tensor] | None = None,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target) (loss_fn: {loss_fn!r})")
+        if loss_count is not None and not callable(loss_count):
+            raise TypeError(
+                f"loss_count must be callable as loss_count(target) -> number of items (loss_count: {loss_count!r})"
+            )
+        self.loss_count = loss_count
         self.schedule = schedule
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
@@ -344,7 +357,7 @@ class Pipeline(nn.Module):
                 training=self.training,
                 seed=seed,
                 targets=[last.receive(t).value for t in targets] if last is not None else None,
-                loss_scale=[n / total for n in sizes],
+                loss_scale=self._loss_scale(target, sizes, total),
             )
             schedule = self.schedule_for(len(batches))
             run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
@@ -354,6 +367,19 @@ class Pipeline(nn.Module):
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return self._share_loss(torch.stack([b.value for b in losses]).sum() if losses else None)
+
+    def _loss_scale(self, target: Any, sizes: Sequence[int], total: int) -> list[float]:
+        """What each micro-batch's loss is multiplied by: its share of the mini-batch's samples, or
+        with ``loss_count`` one over the items the whole mini-batch counts (every replica's)."""
+        if self.loss_count is None:
+            return [n / total for n in sizes]
+        found = self.loss_count(target)
+        if isinstance(found, Tensor) and found.numel() != 1:
+            raise ValueError(f"loss_count must return a number, got a tensor of shape {tuple(found.shape)}")
+        count = found.item() if isinstance(found, Tensor) else found
+        if not isinstance(count, (int, float)) or count < 0:
+            raise ValueError(f"loss_count must return a number >= 0 (loss_count(target): {count!r})")
+        return [1.0 / count if count else 0.0] * len(sizes)
 
     def forward(self, inputs: Any) -> Any:
         """The forwards only, without autograd, for evaluation; returns the gathered output (under

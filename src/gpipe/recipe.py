@@ -3,7 +3,8 @@
 - :func:`temperature_sampling`: data set l drawn with probability ∝ p_l^(1/T), p_l = D_l / ΣD.
 - :func:`inverse_sqrt_schedule`: linear warm-up to a peak, then decay with the inverse square root of
   the step — the paper's "(3.0, 40K)" is ``inverse_sqrt_schedule(optimizer, 3.0, 40_000)``.
-- :func:`label_smoothing_loss`: cross entropy against smoothed targets.
+- :func:`label_smoothing_loss`: cross entropy against smoothed targets; :class:`count_tokens` makes a
+  pipeline's loss the mini-batch's token mean whatever the padding.
 - :func:`clip_logits`: logit clipping of the softmax pre-activations.
 - :func:`rmsprop`: the image-classification optimizer settings (decay 0.9, ε 0.1, L2 4e-5).
 - :func:`adafactor`: ``torch.optim.Adafactor``, as for the translation models.
@@ -24,6 +25,7 @@ __all__ = [
     "adafactor",
     "clip_grad_norm_per_parameter",
     "clip_logits",
+    "count_tokens",
     "inverse_sqrt_lr",
     "inverse_sqrt_schedule",
     "label_smoothing_loss",
@@ -64,12 +66,35 @@ def inverse_sqrt_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: inverse_sqrt_lr(i + 1, peak, warmup))
 
 
-def label_smoothing_loss(logits: Tensor, target: Tensor, smoothing: float = 0.1, ignore_index: int = -100) -> Tensor:
-    """Mean cross entropy against targets smoothed by ``smoothing`` (1 - ε on the label, ε spread
-    uniformly over all classes), over the last dimension of ``logits``."""
+def label_smoothing_loss(
+    logits: Tensor, target: Tensor, smoothing: float = 0.1, ignore_index: int = -100, reduction: str = "mean"
+) -> Tensor:
+    """Cross entropy against targets smoothed by ``smoothing`` (1 - ε on the label, ε spread
+    uniformly over all classes), over the last dimension of ``logits``; tokens whose target is
+    ``ignore_index`` do not count. ``reduction``: 'mean' over the counted tokens, or 'sum' (with
+    ``Pipeline(loss_count=count_tokens(ignore_index))``, the mini-batch's token mean)."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), target.reshape(-1), label_smoothing=smoothing, ignore_index=ignore_index
+        logits.reshape(-1, logits.size(-1)),
+        target.reshape(-1),
+        label_smoothing=smoothing,
+        ignore_index=ignore_index,
+        reduction=reduction,
     )
+
+
+class count_tokens:  # noqa: N801 - used like a function: Pipeline(loss_count=count_tokens(pad))
+    """``count_tokens(ignore_index)(target)``: how many targets are not ``ignore_index`` — the
+    ``loss_count`` of a token loss summed over its tokens, so that a pipeline step's loss is the
+    mini-batch's token mean however padding falls into micro-batches."""
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, target: Tensor) -> Tensor:
+        return (target != self.ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"count_tokens(ignore_index={self.ignore_index})"
 
 
 def clip_logits(logits: Tensor, threshold: float | None) -> Tensor:
