@@ -96,3 +96,59 @@ def test_derived_seeds_differ() -> None:
     seeds = {derive_seed(s, layer, m) for s in range(3) for layer in range(10) for m in range(10)}
     assert len(seeds) == 300
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+class FunctionalDropout(nn.Module):
+    """Draws through a functional call, with a probability that may be raised later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.p = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.dropout(self.lin(x), self.p, self.training)
+
+
+def test_layer_that_starts_drawing_later_is_noticed_then_seeded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(FunctionalDropout(), FunctionalDropout(), FunctionalDropout(), FunctionalDropout())
+    x = torch.randn(8, 6)
+    pipes = [pipe(model, k, chunks=4, cpu_threads=1) for k in (1, 2)]
+    for gp in pipes:
+        torch.manual_seed(1)
+        step(gp, x)  # p = 0: no layer draws; the stages learn that
+        for layer in gp:
+            layer.p = 0.5
+        with pytest.warns(RuntimeWarning, match="drew random numbers on cpu unseeded"):
+            step(gp, x)
+    results = []
+    for gp in pipes:
+        torch.manual_seed(2)
+        results.append(step(gp, x))
+    assert torch.equal(results[0][0], results[1][0])
+    assert_all_equal(results[0][1], results[1][1])
+    assert (results[0][0] == 0).any(), "dropout is on"
+
+
+def test_layers_that_draw_nothing_are_not_lent_a_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After their first call, layers that draw nothing are called plainly: no seeding, no lock."""
+    from gpipe import rng, stage
+
+    lent: list[int] = []
+    real = rng.Seeded
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __enter__(self) -> rng.Seeded:
+            lent.append(self.seed)
+            return super().__enter__()
+
+    monkeypatch.setattr(stage, "Seeded", Counting)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4), nn.Tanh())
+    gp = pipe(model, 2, chunks=4, checkpoint="never")
+    x = torch.randn(8, 4)
+    step(gp, x)
+    assert len(lent) == 4 + 3, "the dropout on every micro-batch, and each other layer once to find out"
+    lent.clear()
+    step(gp, x)
+    assert len(lent) == 4, "only the dropout layer, once per micro-batch"

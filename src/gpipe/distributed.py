@@ -241,7 +241,7 @@ class DistributedExecutor(LocalExecutor):
                 f"the pipeline {len(self.pipeline_ranks)} ranks"
             )
         actions = schedule.actions[self.rank]
-        with self._watching(run), run.ctx.applied(self.device):
+        with self._watching(run), self.watching_randomness(), run.ctx.applied(self.device):
             for action in actions:
                 try:
                     self._execute(self.rank, action, run)

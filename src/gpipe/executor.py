@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch
+from gpipe.rng import Watch
 from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
 from gpipe.stage import Grads, Saved, Stage, StepContext
 
@@ -121,10 +123,28 @@ class LocalExecutor:
             raise ValueError(
                 f"schedule {schedule.name!r} has {schedule.num_stages} stages, the pipeline {self.num_stages}"
             )
-        if inline or schedule.num_workers == 1:
-            self._run_inline(schedule, run)
-        else:
-            self._run_threaded(schedule, run)
+        with self.watching_randomness():
+            if inline or schedule.num_workers == 1:
+                self._run_inline(schedule, run)
+            else:
+                self._run_threaded(schedule, run)
+
+    @contextmanager
+    def watching_randomness(self) -> Iterator[None]:
+        """Around a step's actions: if a layer drew random numbers nobody lent it (it drew none on
+        its first call, see :mod:`gpipe.rng`), warn and have every stage learn again."""
+        with Watch(stage.device for stage in self.stages.values()) as watch:
+            yield
+        if watch.drew:
+            warnings.warn(
+                f"gpipe: a layer drew random numbers on {', '.join(map(str, watch.drew))} unseeded: it had drawn "
+                "none on its first call. Its numbers in this step depend on the partitioning; from the next "
+                "step on it is seeded per (layer, micro-batch) like the others",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            for stage in self.stages.values():
+                stage.learn_randomness_again()
 
     def _device(self, actions: Sequence[Action]) -> torch.device:
         devices = {self.stages[a.stage].device for a in actions}

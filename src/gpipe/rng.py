@@ -18,7 +18,8 @@ workers in one process) take turns for the layers that draw random numbers.
 Layers that draw nothing pay nothing: a stage learns on a layer's first call whether it draws
 (:attr:`Seeded.drew`), and later calls of a layer that does not draw go straight to the layer. A
 layer holding a module that may draw (dropout of any probability) is always seeded, so that a
-probability raised later in training is seeded too.
+probability raised later in training is seeded too; and should another layer start drawing after a
+first call that drew nothing, the step notices (:class:`Watch`), warns, and the stages learn again.
 
 The step's seed is drawn from PyTorch's default generator, so ``torch.manual_seed`` makes a run
 reproducible and successive steps draw fresh numbers.
@@ -27,12 +28,13 @@ reproducible and successive steps draw fresh numbers.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from types import TracebackType
 
 import torch
 from torch import nn
 
-__all__ = ["Seeded", "derive_seed", "may_draw", "step_seed"]
+__all__ = ["Seeded", "Watch", "derive_seed", "may_draw", "step_seed"]
 
 _MASK = (1 << 64) - 1
 
@@ -135,3 +137,25 @@ class Seeded:
             gen.set_state(self._saved)
         finally:
             self._lock.release()
+
+
+class Watch:
+    """Whether anything drew from the default generators of ``devices`` outside a :class:`Seeded`
+    context while the context ran (:attr:`drew`: those devices).
+
+    A stage calls a layer that drew nothing on its first call without lending it a generator. Should
+    such a layer start drawing later (a dropout probability raised from 0 inside a functional call),
+    its numbers come from the device's own stream, unseeded: the step's executor watches for that,
+    so that the stages learn again and the user hears of it.
+    """
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        self._gens = [(d, default_generator(d)) for d in dict.fromkeys(devices) if d.type in ("cpu", "cuda")]
+        self.drew: list[torch.device] = []
+
+    def __enter__(self) -> Watch:
+        self._before = [g.get_state() for _, g in self._gens]
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.drew = [d for (d, g), s in zip(self._gens, self._before) if not torch.equal(g.get_state(), s)]

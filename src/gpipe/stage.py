@@ -261,6 +261,10 @@ class Stage:
             self._draws[key] = seeded.drew
         return out
 
+    def learn_randomness_again(self) -> None:
+        """Forget which layers were found to draw no random numbers: each is probed again."""
+        self._draws = {key: True for key, draws in self._draws.items() if draws}
+
     def _where(self, i: int) -> str:
         layers = list(self.module)
         name = type(layers[i]).__name__ if i < len(layers) else "loss_fn"
