@@ -34,10 +34,17 @@ import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.data import ImageFiles, SyntheticImages, SyntheticTranslation, TextPairs
+from gpipe.data import PAD, ImageFiles, SyntheticImages, SyntheticTranslation, TextPairs
 from gpipe.models import amoebanet_d, transformer
 from gpipe.pipeline import Pipeline
-from gpipe.recipe import adafactor, clip_grad_norm_per_parameter, inverse_sqrt_schedule, label_smoothing_loss, rmsprop
+from gpipe.recipe import (
+    adafactor,
+    clip_grad_norm_per_parameter,
+    count_tokens,
+    inverse_sqrt_schedule,
+    label_smoothing_loss,
+    rmsprop,
+)
 from gpipe.rng import derive_seed
 from gpipe.saving import latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
@@ -210,7 +217,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     data = _data(cfg)
     model = _model(cfg, data)
-    loss_fn = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing)
+    tokens = data.unit != "images"
+    # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
+    # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
+    ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
+    loss_fn = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
@@ -219,7 +230,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         chunks=cfg.chunks,
         deferred_batch_norm=cfg.model == "amoebanet",
         schedule=cfg.schedule,
-        loss_fn=loss_fn,
+        loss_fn=functools.partial(loss_fn, reduction="sum") if tokens else loss_fn,
+        loss_count=count_tokens(PAD) if tokens else None,
         checkpoint=cfg.checkpoint,
         devices=None if distributed else ["cpu"] * cfg.partitions,
         init_seed=cfg.seed,
