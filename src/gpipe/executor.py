@@ -158,9 +158,17 @@ class LocalExecutor:
             torch.set_num_threads(self.cpu_threads)
         try:
             worker = schedule.worker_of()
-            for action in execution_order(schedule):
-                with run.ctx.applied(self.stages[action.stage].device):
-                    self._execute(worker[action.stage], action, run)
+            # one worker: its own order; several (inline on one thread): an order that respects them all
+            order = schedule.actions[0] if schedule.num_workers == 1 else execution_order(schedule)
+            devices = {self.stages[s].device for s in worker}
+            if len(devices) == 1:  # one device: enter its context once
+                with run.ctx.applied(devices.pop()):
+                    for action in order:
+                        self._execute(worker[action.stage], action, run)
+            else:
+                for action in order:
+                    with run.ctx.applied(self.stages[action.stage].device):
+                        self._execute(worker[action.stage], action, run)
             for acts in schedule.actions:
                 self._finish(acts, run)
         finally:
@@ -299,11 +307,12 @@ class LocalExecutor:
     def _seed(self, run: StepRun, batches: Sequence[Batch]) -> None:
         """Hand the first stage its micro-batches and the last stage its loss gradients."""
         last = self.num_stages - 1
+        one = torch.ones((), device=self.stages[last].device) if last in self.stages else None
         for m, batch in enumerate(batches):
             if 0 in self.stages:
                 run.mailbox.put(("act", m, 0), batch)
-            if last in self.stages:
-                run.mailbox.put(("grad", m, last), (torch.ones((), device=self.stages[last].device),))
+            if one is not None:
+                run.mailbox.put(("grad", m, last), (one,))
 
     @staticmethod
     def split_of(schedule: Schedule) -> frozenset[tuple[int, int]]:

@@ -208,7 +208,8 @@ class Stage:
         self._norms = _running_stats(module)
         # (position in the stage, training) -> whether the layer draws random numbers; layers that
         # hold a dropout are seeded in training from the start, the others learn it on first call.
-        self._draws = {(i, True): True for i, layer in enumerate(module) if may_draw(layer)}
+        self._draws: dict[bool, list[bool | None]] = {}
+        self.learn_randomness_again()
         self._in_place = _InPlace()
         # Layers whose backward is one compiled graph: a split backward runs it once (see backward_input).
         self._fused = {i for i, layer in enumerate(module) if _compiled(layer)}
@@ -225,6 +226,8 @@ class Stage:
         return tuple(None if g is None else self._to_device(g) for g in values)
 
     def _to_device(self, t: Tensor) -> Tensor:
+        if t.device == self.device:
+            return t
         # Asynchronous only towards a GPU: a copy to the CPU must be complete before it is read.
         return t.to(self.device, non_blocking=self.device.type == "cuda")
 
@@ -251,19 +254,21 @@ class Stage:
     def _call(self, i: int, layer: Callable[[Any], Any], value: Any, m: int, ctx: StepContext) -> Any:
         """Call the ``i``-th function of the stage on micro-batch ``m``: seeded by (step, layer,
         micro-batch) if it draws random numbers (learned on its first call), else plainly."""
-        key = (i, ctx.training)
-        draws = self._draws.get(key)
-        if draws is False:
+        draws = self._draws[ctx.training]
+        if draws[i] is False:
             return layer(value)
-        with Seeded(self.device, derive_seed(ctx.seed, self.first + i, m), probe=draws is None) as seeded:
+        with Seeded(self.device, derive_seed(ctx.seed, self.first + i, m), probe=draws[i] is None) as seeded:
             out = layer(value)
-        if draws is None:
-            self._draws[key] = seeded.drew
+        if draws[i] is None:
+            draws[i] = seeded.drew
         return out
 
     def learn_randomness_again(self) -> None:
-        """Forget which layers were found to draw no random numbers: each is probed again."""
-        self._draws = {key: True for key, draws in self._draws.items() if draws}
+        """Forget which layers were found to draw no random numbers: each is probed again on its
+        next call (per training mode; the loss function last). Layers holding a dropout are seeded
+        in training from the start."""
+        seeded = [may_draw(layer) or None for layer in self.module]
+        self._draws = {True: [*seeded, None], False: [None] * (len(seeded) + 1)}
 
     def _where(self, i: int) -> str:
         layers = list(self.module)
@@ -282,8 +287,9 @@ class Stage:
         before = skip.enter(skips)
         try:
             value = fed.value
+            draws = self._draws[ctx.training]
             for i, layer in enumerate(self._layers(m, ctx)):
-                value = self._call(i, layer, value, m, ctx)
+                value = layer(value) if draws[i] is False else self._call(i, layer, value, m, ctx)
         finally:
             skip.leave(before)
         if protect:
