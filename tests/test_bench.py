@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from gpipe.bench import _misses, memory, run, throughput
+from gpipe.bench import _misses, engine, memory, run, throughput
 from gpipe.bench.common import Bench, Section, launch, workloads
 from gpipe.cli import main
 
@@ -93,3 +95,49 @@ def test_misses_are_stated_from_the_numbers() -> None:
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="repeats must be positive"):
         run(tmp_path, only=["overhead"], repeats=-1)
+
+
+def test_engine_section_measures_every_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine section at tiny sizes: every comparison has its positive numbers, the report states
+    the targets, the thread count is put back, and a missing torch.compile is reported, not raised."""
+    monkeypatch.setattr(engine, "_compile_problem", lambda: "no compiler here (test)")
+    sizes = dataclasses.replace(engine.sizes(Bench(quick=True, repeats=1)), lm_layers=1, lm_hidden=32, lm_dim=16,
+                                batch=8, seq=4, chunks=(1, 4), tiny_layers=3, tiny_steps=2)  # fmt: skip
+    threads = torch.get_num_threads()
+    data = engine.measure(sizes)
+    assert torch.get_num_threads() == threads
+    assert set(data["lm"]) == {"dropout=0,M=1", "dropout=0,M=4", "dropout=0.1,M=1", "dropout=0.1,M=4"}
+    for row in data["lm"].values():
+        assert all(len(row[k]) == 1 and row[k][0] > 0 for k in ("pipeline", "plain", "ratio"))
+    assert all(len(data["host"][k]) == 3 and min(data["host"][k]) > 0 for k in ("pipeline_us", "plain_us", "ratio"))
+    assert data["compiled"] == {"unavailable": "no compiler here (test)"}
+    text = engine.render(data)
+    assert "| 0.1 | 4 |" in text and "Target ≤ 1.02x at dropout=0.1, M=4:" in text and "target ≤ 1.2x" in text
+    assert "**Not measured** — not run: no compiler here (test)." in text
+    misses = _misses([Section(engine.TITLE, text, [], data)])
+    assert "- Compiled layers in the Pipeline: not run: no compiler here (test)." in misses
+
+
+def _compiled(pipeline_calls: tuple[int, int], plain_calls: tuple[int, int]) -> dict[str, Any]:
+    return {"pipeline": [1.2, 1.2], "plain": [1.0, 1.0], "ratio": [1.2, 1.2], "plain_alone": [2.0],
+            "graphs": {"pipeline": 0, "plain": 3}, "warmup_s": {"pipeline": 0.1, "plain": 5.0},
+            "calls_before": {"plain": (4, 4)}, "calls": {"pipeline": pipeline_calls, "plain": plain_calls}}  # fmt: skip
+
+
+def test_engine_states_compiled_layers_that_ran_eagerly() -> None:
+    ran_eagerly = _compiled((0, 4), (0, 4))
+    status = engine.compiled_status(ran_eagerly)
+    assert status is not None and "only 0 of the 4 layer calls" in status and "ran eagerly too" in status
+    assert engine.compiled_ratio(ran_eagerly) == [0.6, 0.6]  # against the plain loop timed before, compiled
+    assert engine.compiled_status(_compiled((4, 4), (4, 4))) is None
+    assert engine.compiled_ratio(_compiled((4, 4), (4, 4))) == [1.2, 1.2]
+    data = {"sizes": dataclasses.asdict(engine.sizes(Bench(quick=True, repeats=2))),
+            "lm": {"dropout=0.1,M=32": {"pipeline": [1.0], "plain": [1.0], "ratio": [1.01]}},
+            "host": {"pipeline_us": [30.0], "plain_us": [10.0], "extra_us": [20.0], "ratio": [3.0]},
+            "compiled": ran_eagerly}  # fmt: skip
+    text = engine.render(data)
+    assert "| Pipeline | 1.200 [1.200-1.200] | 0 of 4 | 0 |" in text and "**Compile status: only 0" in text
+    lines = "\n".join(engine.misses(data))
+    assert "Transformer LM" not in lines  # 1.01x meets 1.02x
+    assert "30.0 µs per (layer, micro-batch) in the Pipeline against 10.0 µs in plain PyTorch, 3.00x" in lines
+    assert "- Compiled layers in the Pipeline: 0.60x the plain loop's step (target ≤ 1.05x); only 0 of" in lines
