@@ -356,3 +356,92 @@ def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
     x, y = masked_data()
     loss = pipe.step(x, y)
     return {"loss": loss, "grads": grads_of(pipe), "sent": sent}
+
+
+def lost_at(rank: int, where: str, how: str, timeout: float, mark: str, dp: int = 1, steps: int = 3) -> None:
+    """Rank ``rank`` is lost in the second step: it sends itself SIGKILL (``how='kill'``) or SIGSTOP
+    (``'stop'``) at ``where``: ``'between'`` (after the first step, before the second starts: the
+    seed broadcast), ``'step'`` (in its first action of the step), ``'loss'`` (before the loss is
+    shared: the all-reduce and broadcast of the loss) or ``'grads'`` (before the data-parallel
+    all-reduce of the gradients). Before that it writes the time to ``mark``; the others must stop
+    within ``timeout``, naming it."""
+    import signal
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = mlp()
+    pipe = Pipeline(
+        model, even(len(model), world // dp), chunks=2, loss_fn=F.mse_loss, data_parallel=dp, timeout=timeout
+    )
+    victim = int(os.environ["RANK"]) == rank
+    count = {"calls": 0}
+
+    def lose() -> None:
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # not reached: a stopped rank is killed by the test
+
+    def dying(method: Any) -> Any:
+        def call(*args: Any) -> Any:
+            count["calls"] += 1
+            if count["calls"] == 2:
+                lose()
+            return method(*args)
+
+        return call
+
+    if victim and where == "step":  # in its first action of the second step
+        pipe._executor._execute = dying(pipe._executor._execute)  # type: ignore[method-assign]
+        count["calls"] = -len(pipe.schedule_for(2).actions[int(os.environ["RANK"])]) + 1
+    elif victim and where == "loss":
+        pipe._share_loss = dying(pipe._share_loss)  # type: ignore[method-assign]
+    elif victim and where == "grads":
+        pipe._all_reduce_gradients = dying(pipe._all_reduce_gradients)  # type: ignore[method-assign]
+    x, y = data()
+    for i in range(steps):
+        if victim and where == "between" and i == 1:
+            lose()
+        pipe.step(x, y)
+
+
+def train_and_save_at(directory: str, steps: int, step: int) -> dict[str, Any]:
+    """Train ``steps`` steps and save them as checkpoint ``step``; return this rank's saved layers."""
+    from gpipe.saving import layer_state
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipe = build("1f1b", world, 4)
+    _train(pipe, steps)
+    save_checkpoint(pipe, directory, step)
+    return {"state": {k: v.clone() for k, v in layer_state(pipe).items()}}
+
+
+def save_with_full_disk_on(directory: str, rank: int) -> dict[str, Any]:
+    """Save step 1, then step 2 with rank ``rank``'s disk full: every rank must raise (none waits
+    forever for it), and step 1 must still load."""
+    import errno
+
+    from gpipe.saving import layer_state
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipe = build("1f1b", world, 4)
+    save_checkpoint(pipe, directory, 1)
+    before = {k: v.clone() for k, v in layer_state(pipe).items()}
+    _train(pipe, 1)
+    real_save = torch.save
+
+    def full(obj: object, f: Any) -> None:
+        if int(os.environ["RANK"]) == rank:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, f)
+
+    torch.save = full  # type: ignore[assignment]
+    try:
+        save_checkpoint(pipe, directory, 2)
+        error: dict[str, Any] = {}
+    except Exception as e:
+        error = {"type": type(e).__name__, "message": str(e), "errno": getattr(e, "errno", None)}
+    finally:
+        torch.save = real_save
+    step = load_checkpoint(pipe, directory)
+    after = layer_state(pipe)
+    return {"error": error, "step": step, "restored": all(torch.equal(after[k], v) for k, v in before.items())}

@@ -107,6 +107,8 @@ class Seeded:
     __slots__ = ("_fresh", "_gen", "_lock", "_probe", "_saved", "device", "drew", "seed")
 
     def __init__(self, device: torch.device, seed: int, *, probe: bool = False) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # one lock per generator
         self.device, self.seed = device, seed
         self._probe = probe
         self.drew = True

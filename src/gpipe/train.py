@@ -46,7 +46,7 @@ from gpipe.recipe import (
     rmsprop,
 )
 from gpipe.rng import derive_seed
-from gpipe.saving import latest, load, save, write_atomically
+from gpipe.saving import latest, load, save
 from gpipe.schedule import SCHEDULES, simulate
 
 __all__ = ["TrainConfig", "main", "train"]
@@ -356,11 +356,10 @@ def _state_path(out: Path, step: int) -> Path:
 def _save(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, step: int) -> None:
     if step < 1:
         return
-    path = _state_path(out, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "partitions": cfg.partitions}
-    write_atomically(path, lambda p: torch.save(state, p))
-    save(pipe, out / "checkpoints", step)  # the manifest and 'latest' come last
+    # The optimizer state goes into the step's new folder with the weights: both appear at once.
+    name = _state_path(out, step).name
+    save(pipe, out / "checkpoints", step, extra={name: lambda p: torch.save(state, p)})
 
 
 def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path) -> int:

@@ -1,0 +1,442 @@
+"""Checkpoints under failure: a save replaces a step's folder as a whole, killed saves leave nothing
+behind for long, a full disk and corrupt or mismatched checkpoints say what and where."""
+
+from __future__ import annotations
+
+import errno
+import io
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import gpipe.saving
+from gpipe import Pipeline, load_checkpoint, save_checkpoint
+from gpipe.saving import latest, layer_state, write_atomically
+from tests import dist_cases
+from tests.dist_harness import ROOT, run_ranks
+
+
+def mlp(seed: int, widths: tuple[int, ...] = (6,) * 9) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
+
+
+def pipe_of(model: nn.Sequential, balance: list[int]) -> Pipeline:
+    return Pipeline(model, balance, chunks=2, loss_fn=F.mse_loss, devices=["cpu"] * len(balance))
+
+
+def snapshot(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in layer_state(pipe).items()}
+
+
+def assert_holds(pipe: Pipeline, expected: dict[str, torch.Tensor]) -> None:
+    state = layer_state(pipe)
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), f"layer state {key} differs from the expected save"
+
+
+def temporaries(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name or p.name.endswith(".old"))
+
+
+# 1. A save replaces the whole step folder.
+
+
+@pytest.mark.parametrize(("first", "second"), [([4, 4], [2, 2, 2, 2]), ([2, 2, 2, 2], [4, 4]), ([3, 5], [5, 3])])
+def test_a_save_over_a_step_of_another_layout_leaves_nothing_of_it(
+    tmp_path: Path, first: list[int], second: list[int]
+) -> None:
+    save_checkpoint(pipe_of(mlp(0), first), tmp_path, 5)
+    newer = pipe_of(mlp(1), second)
+    expected = snapshot(newer)
+    save_checkpoint(newer, tmp_path, 5)
+
+    step = tmp_path / "step-00000005"
+    bounds = [sum(second[:i]) for i in range(len(second) + 1)]
+    names = [f"layers-{a:05d}-{b - 1:05d}.pt" for a, b in itertools.pairwise(bounds)]
+    assert sorted(p.name for p in step.iterdir()) == sorted([*names, "manifest.json"])
+    assert json.loads((step / "manifest.json").read_text())["files"] == sorted(names)
+    assert temporaries(tmp_path) == []
+    for balance in ([8], first, second):
+        fresh = pipe_of(mlp(2), balance)
+        assert load_checkpoint(fresh, tmp_path) == 5
+        assert_holds(fresh, expected)
+
+
+def test_two_ranks_then_four_ranks_into_the_same_step(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks("train_and_save_at", 2, tmp_path / "a", timeout=120, directory=str(ckpt), steps=1, step=5)
+    four = run_ranks("train_and_save_at", 4, tmp_path / "b", timeout=120, directory=str(ckpt), steps=3, step=5)
+    assert sorted(p.name for p in (ckpt / "step-00000005").iterdir()) == [
+        "layers-00000-00003.pt",
+        "layers-00004-00007.pt",
+        "layers-00008-00011.pt",
+        "layers-00012-00015.pt",
+        "manifest.json",
+    ]
+    assert temporaries(ckpt) == []
+    expected = {k: v for rank in four for k, v in rank["state"].items()}
+    pipe = dist_cases.build("1f1b", 1, 4)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    assert load_checkpoint(pipe, ckpt) == 5
+    assert_holds(pipe, expected)
+
+
+def test_files_of_another_writer_are_carried_over_or_replaced_by_extra(tmp_path: Path) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    step = tmp_path / "step-00000003"
+    step.mkdir(parents=True)
+    (step / "optimizer-rank0.pt").write_text("written by gpipe train just before the save")
+    save_checkpoint(pipe, tmp_path, 3)
+    assert (step / "optimizer-rank0.pt").read_text() == "written by gpipe train just before the save"
+    save_checkpoint(pipe, tmp_path, 3, extra={"optimizer-rank1.pt": lambda p: p.write_text("new")})
+    assert sorted(p.name for p in step.iterdir() if not p.name.startswith("layers-")) == [
+        "manifest.json",
+        "optimizer-rank1.pt",
+    ]
+    with pytest.raises(ValueError, match="plain file name"):
+        save_checkpoint(pipe, tmp_path, 3, extra={"../escape": lambda p: None})
+
+
+# 2. What killed saves leave behind.
+
+
+def test_the_next_save_removes_what_killed_saves_left(tmp_path: Path) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    staging = tmp_path / ".step-00000002.tmp"  # a save killed while the ranks wrote their files
+    staging.mkdir()
+    (staging / "layers-00000-00003.pt").write_bytes(b"half")
+    (tmp_path / ".latest.tmp-4242").write_text("step-000")
+    (tmp_path / "step-00000001" / ".layers-00004-00007.pt.tmp-4242").write_bytes(b"half")
+    (tmp_path / "step-00000001" / ".optimizer-rank0.pt.tmp-77").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("not ours")
+    (tmp_path / ".hidden").write_text("not ours")
+    assert len(temporaries(tmp_path)) == 4
+
+    assert load_checkpoint(pipe, tmp_path) == 1  # loading changes nothing: a save may be under way
+    assert len(temporaries(tmp_path)) == 4
+    save_checkpoint(pipe, tmp_path, 3)
+    assert temporaries(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hidden",
+        "latest",
+        "notes.txt",
+        "step-00000001",
+        "step-00000003",
+    ]
+
+
+KILLED_SAVE = """
+import os, sys, time, torch, torch.nn.functional as F
+from torch import nn
+import gpipe.saving
+from gpipe import Pipeline, save_checkpoint
+directory, mark, stage, step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(1)
+model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(8)])
+pipe = Pipeline(model, [4, 4], chunks=2, loss_fn=F.mse_loss, devices=["cpu", "cpu"])
+real_save, real_rename, real_replace = torch.save, os.rename, os.replace
+def stop():
+    open(mark, "w").close()
+    time.sleep(600)  # killed here
+def half_written(obj, f):
+    if stage == "write" and "layers-00004" in f.name:
+        f.write(b"PK half a file")
+        f.flush()
+        stop()
+    real_save(obj, f)
+def rename(a, b):
+    if stage == "swap" and str(a).endswith(".tmp"):  # the new folder, about to be renamed in
+        stop()
+    real_rename(a, b)
+def replace(a, b):
+    if stage == "exchanged" and str(b).endswith("latest"):
+        stop()
+    real_replace(a, b)
+torch.save, os.rename, os.replace = half_written, rename, replace
+if stage == "swap":
+    gpipe.saving._exchange = lambda a, b: False  # the fallback: the old folder is renamed aside first
+save_checkpoint(pipe, directory, step)
+"""
+
+
+@pytest.mark.parametrize(
+    ("stage", "step"), [("write", 1), ("write", 2), ("swap", 1), ("swap", 2), ("exchanged", 1), ("exchanged", 2)]
+)
+def test_a_killed_save_keeps_the_previous_checkpoint_and_is_cleaned_up(tmp_path: Path, stage: str, step: int) -> None:
+    """A save of step 1 or 2 over a checkpoint of step 1, killed while it writes the layers, between
+    the two renames of the fallback swap, or after the atomic exchange but before ``latest``."""
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    expected = snapshot(pipe)
+    if stage == "exchanged" and step == 1:  # the new folder is complete and in place
+        expected = snapshot(pipe_of(mlp(1), [4, 4]))
+    mark = tmp_path.parent / f"{tmp_path.name}.mark"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(KILLED_SAVE), str(tmp_path), str(mark), stage, str(step)], env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), f"the save never reached its {stage} stage (exit code {proc.poll()})"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    in_window = stage == "swap" and step == 1  # step-00000001 is aside, the new one not yet in place
+    assert latest(tmp_path) == tmp_path / (".step-00000001.old" if in_window else "step-00000001")
+    fresh = pipe_of(mlp(2), [2, 6])
+    assert load_checkpoint(fresh, tmp_path) == 1
+    assert_holds(fresh, expected)
+    assert temporaries(tmp_path) != []
+
+    save_checkpoint(pipe_of(mlp(3), [8]), tmp_path, 3)
+    assert temporaries(tmp_path) == []
+    kept = ["latest", "step-00000001", "step-00000003"]
+    if (stage, step) == ("exchanged", 2):  # complete, though `latest` never named it
+        kept.append("step-00000002")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert load_checkpoint(fresh, tmp_path / "step-00000001") == 1
+    assert_holds(fresh, expected)
+
+
+def test_a_save_killed_between_the_two_renames_of_the_fallback_swap(tmp_path: Path) -> None:
+    """Where the folders cannot be exchanged atomically, the old one is renamed aside first: a crash
+    before the new one is renamed in leaves no step-N, and `latest` falls back to the aside."""
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    expected = snapshot(pipe)
+    save_checkpoint(pipe_of(mlp(1), [2, 2, 2, 2]), tmp_path / "new", 1)
+    os.rename(tmp_path / "step-00000001", tmp_path / ".step-00000001.old")
+    os.rename(tmp_path / "new" / "step-00000001", tmp_path / ".step-00000001.tmp")  # complete, not swapped in
+
+    assert latest(tmp_path) == tmp_path / ".step-00000001.old"
+    fresh = pipe_of(mlp(2), [8])
+    assert load_checkpoint(fresh, tmp_path) == 1
+    assert_holds(fresh, expected)
+
+    save_checkpoint(pipe_of(mlp(3), [8]), tmp_path, 2)  # puts the old folder back, drops the staging one
+    assert temporaries(tmp_path) == []
+    assert load_checkpoint(fresh, tmp_path / "step-00000001") == 1
+    assert_holds(fresh, expected)
+
+
+def test_the_fallback_swap_replaces_the_folder_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpipe.saving, "_exchange", lambda a, b: False)
+    save_checkpoint(pipe_of(mlp(0), [4, 4]), tmp_path, 1)
+    newer = pipe_of(mlp(1), [2, 2, 2, 2])
+    save_checkpoint(newer, tmp_path, 1)
+    assert len(list((tmp_path / "step-00000001").glob("layers-*"))) == 4
+    assert temporaries(tmp_path) == []
+    fresh = pipe_of(mlp(2), [8])
+    load_checkpoint(fresh, tmp_path)
+    assert_holds(fresh, snapshot(newer))
+
+
+# 3. A full disk.
+
+
+def _full_on_call(n: int) -> object:
+    """A torch.save whose ``n``-th call writes part of the file, then finds the disk full."""
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def save(obj: object, f: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == n:
+            buffer = io.BytesIO()
+            real_save(obj, buffer)
+            f.write(buffer.getvalue()[:100])  # type: ignore[attr-defined]
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, f)  # type: ignore[arg-type]
+
+    return save
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    expected = snapshot(pipe)
+    files = sorted(p.name for p in (tmp_path / "step-00000001").iterdir())
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(1.0)
+    for step in (1, 2):  # over the previous step itself, and as a new one
+        monkeypatch.setattr(torch, "save", _full_on_call(failing))
+        with pytest.raises(OSError, match=r"no space left on device: \S*layers-0000[04]-0000[37]\.pt") as raised:
+            save_checkpoint(pipe, tmp_path, step)
+        assert raised.value.errno == errno.ENOSPC
+        assert isinstance(raised.value, gpipe.saving.NoSpaceError)
+        assert (tmp_path / "latest").read_text() == "step-00000001"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"], "no partial files"
+        assert sorted(p.name for p in (tmp_path / "step-00000001").iterdir()) == files
+    monkeypatch.undo()
+    fresh = pipe_of(mlp(2), [8])
+    assert load_checkpoint(fresh, tmp_path) == 1
+    assert_holds(fresh, expected)
+
+
+def test_torchs_writer_failing_on_a_full_disk_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save to a path reports a failed write as '[enforce fail at inline_container.cc] unexpected
+    pos', without errno: a real one, by writing through a link to /dev/full."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    path = tmp_path / "optimizer-rank0.pt"
+    state = {"w": torch.zeros(10_000)}
+
+    def through_dev_full(p: Path) -> None:
+        p.symlink_to("/dev/full")
+        torch.save(state, p)
+
+    with pytest.raises(OSError, match=r"writing \S*optimizer-rank0\.pt failed midway .* bytes free; torch: .*pos"):
+        write_atomically(path, through_dev_full)  # plenty of space here: not blamed on the disk
+    monkeypatch.setattr(gpipe.saving, "_free_bytes", lambda d: 4096)
+    with pytest.raises(gpipe.saving.NoSpaceError, match=r"no space left on device: \S*optimizer-rank0\.pt") as raised:
+        write_atomically(path, through_dev_full)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    results = run_ranks("save_with_full_disk_on", 2, tmp_path / "a", timeout=120, directory=str(ckpt), rank=1)
+    for rank, result in enumerate(results):
+        assert result["error"]["type"] == "NoSpaceError", result
+        assert result["error"]["errno"] == errno.ENOSPC
+        assert "no space left on device: " in result["error"]["message"]
+        assert "layers-00008-00015.pt" in result["error"]["message"]
+        assert ("(on rank 1)" in result["error"]["message"]) == (rank == 0)
+        assert result["step"] == 1 and result["restored"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000001"]
+
+
+# 4. A model of another shape.
+
+
+def test_a_model_of_another_shape_names_the_layer_and_both_shapes(tmp_path: Path) -> None:
+    save_checkpoint(pipe_of(mlp(0, (8, 16, 64, 32, 4)), [2, 2]), tmp_path, 1)
+    wider = pipe_of(mlp(0, (8, 16, 128, 32, 4)), [1, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint layer 1 \('1\.weight', Linear\) in '\S*layers-00000-00001\.pt': "
+        r"saved shape \(64, 16\), model's \(128, 16\)",
+    ):
+        load_checkpoint(wider, tmp_path)
+
+
+def test_a_layer_of_another_kind_names_its_keys(tmp_path: Path) -> None:
+    save_checkpoint(pipe_of(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1]), tmp_path, 1)
+    other = pipe_of(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, elementwise_affine=False)), [1, 1])
+    with pytest.raises(ValueError, match=r"holds \['1\.bias', '1\.weight'\], which the model's layer 1 \(LayerNorm\)"):
+        load_checkpoint(other, tmp_path)
+    other = pipe_of(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False)), [1, 1])
+    with pytest.raises(ValueError, match=r"holds \['1\.bias'\], which the model's layer 1 \(Linear\) lacks"):
+        load_checkpoint(other, tmp_path)
+
+
+# 5. Corrupt checkpoints.
+
+
+def _garbage(p: Path) -> None:
+    p.write_bytes(os.urandom(3000))
+
+
+def _truncated(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _empty(p: Path) -> None:
+    p.write_bytes(b"")
+
+
+def _other_layers(p: Path) -> None:
+    p.write_bytes((p.parent / "layers-00000-00003.pt").read_bytes())
+
+
+def _not_tensors(p: Path) -> None:
+    torch.save({"4.weight": [1, 2]}, p)
+
+
+LAYERS_CASES: dict[str, tuple[Callable[[Path], object], str]] = {
+    "garbage": (_garbage, r"not a readable layers file \(truncated or corrupt\?\)"),
+    "truncated": (_truncated, r"not a readable layers file \(truncated or corrupt\?\)"),
+    "empty": (_empty, r"not a readable layers file \(truncated or corrupt\?\)"),
+    "deleted": (Path.unlink, r"missing, though \S*manifest\.json lists it"),
+    "other layers": (_other_layers, r"holds '0\.weight' of layer 0, outside its layers 4 to 7"),
+    "not tensors": (_not_tensors, r"holds '4\.weight', not a '<layer>\.<name>' tensor"),
+}
+
+
+@pytest.mark.parametrize("case", LAYERS_CASES)
+def test_a_corrupt_layers_file_is_named(tmp_path: Path, case: str) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    path = tmp_path / "step-00000001" / "layers-00004-00007.pt"
+    corrupt, message = LAYERS_CASES[case]
+    corrupt(path)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+        load_checkpoint(pipe, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        load_checkpoint(pipe_of(mlp(0), [8]), tmp_path)
+
+
+MANIFEST_CASES = {
+    "not json": (b"{'step': 1", r"not a checkpoint manifest: not JSON"),
+    "binary": (bytes(range(256)), r"not a checkpoint manifest: not JSON"),
+    "a list": (b"[1, 2]", r"not a checkpoint manifest: expected a JSON object, got list"),
+    "no files": (b'{"step": 1, "num_layers": 8}', r"not a checkpoint manifest: lacks 'files'"),
+    "no step": (b'{"num_layers": 8, "files": []}', r"not a checkpoint manifest: lacks 'step'"),
+    "no num_layers": (b'{"step": 1, "files": []}', r"not a checkpoint manifest: lacks 'num_layers'"),
+    "step a string": (b'{"step": "1", "num_layers": 8, "files": []}', r"'step' should be an integer, got '1'"),
+    "files a string": (b'{"step": 1, "num_layers": 8, "files": "x"}', r"'files' should be a list, got 'x'"),
+    "a path": (
+        b'{"step": 1, "num_layers": 8, "files": ["../../etc/passwd"]}',
+        r"lists '\.\./\.\./etc/passwd', not a layers-<first>-<last>\.pt file",
+    ),
+    "overlapping": (
+        b'{"step": 1, "num_layers": 8, "files": ["layers-00000-00003.pt", "layers-00002-00007.pt"]}',
+        r"lists layers-00000-00003\.pt and layers-00002-00007\.pt, which overlap",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+def test_a_corrupt_manifest_is_named(tmp_path: Path, case: str) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    path = tmp_path / "step-00000001" / "manifest.json"
+    content, message = MANIFEST_CASES[case]
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+        load_checkpoint(pipe, tmp_path)
+
+
+def test_a_corrupt_latest_is_named(tmp_path: Path) -> None:
+    pipe = pipe_of(mlp(0), [4, 4])
+    save_checkpoint(pipe, tmp_path, 1)
+    (tmp_path / "latest").write_text("../../somewhere")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "latest")) + r": names '\.\./\.\./somewhere'"):
+        load_checkpoint(pipe, tmp_path)
