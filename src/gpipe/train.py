@@ -17,11 +17,15 @@ uninterrupted run's losses exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Iterator, Sequence
@@ -46,7 +50,7 @@ from gpipe.recipe import (
     rmsprop,
 )
 from gpipe.rng import derive_seed
-from gpipe.saving import latest, load, save
+from gpipe.saving import latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 
 __all__ = ["TrainConfig", "main", "train"]
@@ -212,8 +216,45 @@ def _optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns the final metrics."""
+    """Train as ``cfg`` says; returns the final metrics. One run at a time per ``cfg.out``."""
     cfg.check()
+    with one_run(Path(cfg.out)):
+        return _train(cfg)
+
+
+@contextlib.contextmanager
+def one_run(out: Path) -> Iterator[None]:
+    """Hold ``OUT/.lock`` (an exclusive ``flock``, with this process's PID in it) for the run: a
+    second run on the same ``--out`` is refused, naming the first. The kernel releases the lock
+    when the process ends, however it ends, so a crash leaves no stale lock. Under torchrun rank 0
+    holds it for the job."""
+    if int(os.environ.get("RANK", "0")) != 0:  # (the process group does not exist yet)
+        yield
+        return
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; name a directory (it is created if missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid = lock.read().strip() or "unknown"
+            raise ValueError(
+                f"another gpipe train (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
+                "stop it, or give another --out"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+    finally:
+        lock.close()  # closing releases the lock
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     data = _data(cfg)
     model = _model(cfg, data)
@@ -250,6 +291,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = _progress(cfg, start)
     last: dict[str, Any] = {}
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
+    interrupts = Interrupts()
     try:
         for step in range(start, cfg.steps + 1):
             torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
@@ -259,22 +301,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss = float(pipe.step(batch.inputs, batch.target))
             if cfg.clip_norm:
                 clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
-            optimizer.step()
-            scheduler.step()
-            done = step
-            seconds = time.perf_counter() - began
-            last = {
-                "step": step,
-                "loss": loss,
-                "lr": scheduler.get_last_lr()[0],
-                rate: batch.count / seconds,
-                "bubble": bubble,
-            }
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                last.update(evaluate(pipe, data, cfg, loss_fn))
-            if _rank() == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(last) + "\n")
+            # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
+            # on interruption is then labelled with the step whose update its weights hold.
+            with interrupts.held():
+                optimizer.step()
+                scheduler.step()
+                done = step
+                seconds = time.perf_counter() - began
+                last = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    rate: batch.count / seconds,
+                    "bubble": bubble,
+                }
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    last.update(evaluate(pipe, data, cfg, loss_fn))
+                if _rank() == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(last) + "\n")
                 if bar is not None:
                     speed = {f"{data.unit[:3]}_s": f"{last[rate]:.0f}"}
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}")
@@ -282,11 +327,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if step % cfg.checkpoint_every == 0:
                 _save(cfg, pipe, optimizer, scheduler, out, step)
     except KeyboardInterrupt:
+        interrupts.restore()
         if bar is not None:
             bar.close()
         _save(cfg, pipe, optimizer, scheduler, out, done)
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
         raise
+    finally:
+        interrupts.restore()
     if bar is not None:
         bar.close()
     _save(cfg, pipe, optimizer, scheduler, out, done)
@@ -378,11 +426,61 @@ def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, ou
 
 
 def _truncate(path: Path, start: int) -> None:
-    """Drop metrics of steps at or after ``start`` (a resumed run writes them again)."""
+    """Drop metrics of steps at or after ``start`` (a resumed run writes them again), and a torn last
+    line (a crash in the middle of writing it)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
-    path.write_text("".join(line + "\n" for line in kept))
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            if i == len(lines) - 1:
+                break  # torn by a crash while it was written
+            raise ValueError(f"{str(path)!r} line {i + 1} is not a metrics record: {line[:80]!r}") from None
+        if step < start:
+            kept.append(line)
+    write_atomically(path, lambda p: p.write_text("".join(line + "\n" for line in kept)))
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) and SIGTERM raise ``KeyboardInterrupt`` — except inside :meth:`held`, where
+    the signal waits until the block ends. (In the main thread only; elsewhere signals are as they were.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._held = 0
+        self._pending: int | None = None
+        self._before: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._before[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._held:
+            self._pending = signum
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        if not self._held and self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before."""
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+        self._before = {}
 
 
 def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:

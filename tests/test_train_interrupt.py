@@ -1,0 +1,100 @@
+"""gpipe train under interruption: a checkpoint written on Ctrl-C or SIGTERM holds the update of the
+step it is labelled with, so --resume reproduces the uninterrupted run bitwise; one run per --out;
+a torn last metrics line (a crash while writing it) is dropped on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gpipe.train import TrainConfig, main, one_run, train
+
+SMALL = {"steps": 6, "batch": 8, "chunks": 2, "dim": 32, "hidden": 64, "heads": 2, "layers": 1,
+         "eval_every": 100, "checkpoint_every": 100, "progress": False}  # fmt: skip
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("whole")
+    train(TrainConfig(out=str(out), **SMALL))
+    return losses(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_right_after_the_update_then_resume_is_exact(
+    tmp_path: Path, uninterrupted: dict[int, float], sig: signal.Signals
+) -> None:
+    """The signal is sent from inside the run the instant optimizer.step() returns at step 3."""
+    calls = 0
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            os.kill(os.getpid(), sig)
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainConfig(out=str(tmp_path), **SMALL))
+    finally:
+        handle.remove()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the run puts the handlers back"
+    assert (tmp_path / "checkpoints" / "step-00000003").is_dir(), "labelled with the step whose update it holds"
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    train(TrainConfig(out=str(tmp_path), resume=True, **SMALL))
+    assert losses(tmp_path) == uninterrupted
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path: Path, uninterrupted: dict[int, float]) -> None:
+    train(TrainConfig(out=str(tmp_path), **{**SMALL, "steps": 3}))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a crash while the next line was written
+    train(TrainConfig(out=str(tmp_path), resume=True, **SMALL))
+    assert losses(tmp_path) == uninterrupted
+
+
+def test_second_run_on_a_live_out_is_refused_naming_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, pathlib; from gpipe.train import one_run\n"
+         "with one_run(pathlib.Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "locked"
+        code = main(["--out", str(tmp_path), "--steps", "1", "--no-progress"])
+        assert code == 2
+        err = capsys.readouterr().err
+        assert f"PID {first.pid}" in err and "another gpipe train" in err
+    finally:
+        first.kill()
+        first.wait()
+    # The kernel released the lock with the process: a new run takes it.
+    with one_run(tmp_path):
+        assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+    start = time.monotonic()
+    with one_run(tmp_path):
+        pass
+    assert time.monotonic() - start < 5
+
+
+def test_out_naming_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"), one_run(tmp_path / "f"):
+        pass
