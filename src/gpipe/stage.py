@@ -332,7 +332,12 @@ class Stage:
             flows = self._flows.get(key)
             if flows is not None:
                 with torch.no_grad(), checkpointing():
-                    return self._run(m, inputs, ctx).flagged(flows), Saved(inputs, None)
+                    outputs = self._run(m, inputs, ctx)
+                if len(flows) != len(outputs):  # another structure than learned: say every float needs one
+                    flows = tuple(
+                        isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs.values
+                    )
+                return outputs.flagged(flows), Saved(inputs, None)
             # Once per kind of input: run with autograd on to learn which outputs need a gradient
             # (then drop the graph); the values are the same as without autograd.
             with torch.enable_grad(), checkpointing(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
