@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,3 +51,39 @@ def assert_all_equal(a: list[Tensor], b: list[Tensor]) -> None:
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"tensor {i} differs (max abs diff {(x - y).abs().max().item()})"
+
+
+def assert_close_norm(actual: Tensor, expected: Tensor, rtol: float, *, atol: float = 0.0, msg: str = "") -> None:
+    """``‖actual - expected‖ ≤ rtol·‖expected‖ + atol·√numel`` (2-norms over the whole tensor).
+
+    For results that the two sides compute with different CPU kernels (another thread count, another
+    batch shape: each sums in its own order), or that another CPU (AVX2 vs AVX-512) rounds its own
+    way. Elementwise tolerances fail there without anything being wrong: an element that is a sum of
+    terms cancelling to near zero keeps their rounding, large relative to itself. A bug (a wrong
+    factor, a lost or doubled micro-batch) moves the whole tensor, far beyond any rtol used here."""
+    assert actual.shape == expected.shape, f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{msg}: dtype {actual.dtype} != {expected.dtype}"
+    error = float((actual.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    bound = rtol * scale + atol * math.sqrt(actual.numel())
+    assert error <= bound, f"{msg}: ‖actual - expected‖ = {error:.3g} > {bound:.3g} (‖expected‖ = {scale:.3g})"
+
+
+def assert_all_close_norm(a: list[Tensor], b: list[Tensor], rtol: float, *, atol: float = 0.0) -> None:
+    """:func:`assert_close_norm` for each pair of tensors (e.g. parameter gradients)."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_close_norm(x, y, rtol, atol=atol, msg=f"tensor {i}")
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads. CPU kernels split their sums by thread, so a plain
+    reference run on as many threads as each pipeline worker (``cpu_threads``) runs the same kernels
+    on the same micro-batch shapes, and rounds the same way, whatever the machine's core count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

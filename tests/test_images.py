@@ -93,20 +93,33 @@ def test_bad_image_data(tmp_path: Path) -> None:
 
 
 def amoebanet_run(out: Path, **kwargs: object) -> TrainConfig:
-    settings = dict(model="amoebanet", layers=3, filters=16, image_size=16, batch=32, steps=60, eval_every=30)
+    settings = dict(
+        model="amoebanet", layers=3, filters=16, image_size=16, batch=32, steps=80, warmup=10, eval_every=20
+    )
     return TrainConfig(out=str(out), progress=False, **{**settings, **kwargs})  # type: ignore[arg-type]
 
 
 def test_amoebanet_learns_and_is_the_same_for_one_and_two_stages(tmp_path: Path) -> None:
+    """The learning criterion must hold whatever the CPU's kernels: float rounding sends a run down
+    another trajectory, so it is checked where every trajectory has long passed it. With a warm-up of
+    10 steps, over 28 perturbed runs (seeds 0-9, 2 threads per stage, float64, and ATen, oneDNN and
+    MKL held to AVX2 or SSE4 as on other CPUs) the eval loss at step 80 was 0.92-1.22 (chance 2.30,
+    bound 1.80) and the accuracy 0.69-0.85 (bound 0.4); every eval from step 60 on was under 1.76
+    with an accuracy of 0.5 or more. (The first version, a warm-up of 30 and 60 steps, stopped
+    mid-descent: 1.09-2.46 at step 60; 2.04 held to AVX2, as on a Zen 3.)"""
     two = train(amoebanet_run(tmp_path / "k2", partitions=2))
-    one = train(amoebanet_run(tmp_path / "k1", partitions=1))
+    # one stage, over a prefix: batches, dropout and the learning rate are a pure function of the
+    # step, so its first 20 steps (and the evaluation after them) are the two-stage run's, bitwise
+    train(amoebanet_run(tmp_path / "k1", partitions=1, steps=20))
     rows = [
         [json.loads(line) for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()] for k in ("k1", "k2")
     ]
-    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]  # bitwise
-    assert one["eval_loss"] == two["eval_loss"] and one["eval_accuracy"] == two["eval_accuracy"]
+    keys = ("step", "loss", "lr", "eval_loss", "eval_accuracy")
+    one_rows, two_rows = ([[r.get(k) for k in keys] for r in rs] for rs in rows)
+    assert len(one_rows) == 20 and one_rows[-1][3] is not None
+    assert one_rows == two_rows[:20]  # bitwise: floats survive JSON exactly
     assert two["eval_loss"] < two["baseline"] - 0.5, (two["eval_loss"], two["baseline"])
-    assert two["eval_accuracy"] > 0.3  # chance: 0.1
+    assert two["eval_accuracy"] > 0.4, two["eval_accuracy"]  # chance: 0.1
     assert "images_per_s" in rows[1][-1]
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe import GPipe
-from tests.helpers import assert_all_close, pipe, step
+from tests.helpers import assert_all_close, assert_all_close_norm, intra_op_threads, pipe, step
 
 
 def conv_stack(dropout: float = 0.0) -> nn.Sequential:
@@ -23,19 +23,30 @@ def global_norm(gs: list[Tensor]) -> Tensor:
     return torch.sqrt(sum((g.double() ** 2).sum() for g in gs))  # type: ignore[arg-type]
 
 
+# The plain run sums over the batch of 16 at once, the pipeline over micro-batches of 2, so the
+# convolutions round differently: a bias's gradient (one number, a sum over 1024 positions of terms
+# that partly cancel, through up to 15 convolutions) differed by up to 7.8e-6 of itself over seeds
+# 0-7 and AVX-512, AVX2 or SSE4 kernels (plain on 2 or 4 threads: less), beyond an elementwise rtol
+# of 1e-6. Norm-relative 1e-4 per tensor leaves a margin of 13; a lost micro-batch is off by 1/8.
+# Both sides run on one thread, so the error does not depend on the machine's core count.
+CONV_STACK_RTOL = 1e-4
+
+
 def test_paper_consistency_conv_stack() -> None:
     """The paper's test: 16 3x3 convolutions, [16, 1, 8, 8], 8 micro-batches, loss = mean of the output."""
     torch.manual_seed(0)
     model = conv_stack()
     x = torch.randn(16, 1, 8, 8)
-    _, plain = step(model, x)
+    with intra_op_threads(1):
+        _, plain = step(model, x)
     norms = {}
     for k in (1, 2, 4):
         _, g = step(pipe(model, k, chunks=8, cpu_threads=1), x)
-        assert_all_close(g, plain, rtol=1e-6, atol=1e-6)
+        assert_all_close_norm(g, plain, rtol=CONV_STACK_RTOL)
         norms[k] = global_norm(g)
-    assert torch.equal(norms[1], norms[2]) and torch.equal(norms[1], norms[4]), norms
-    assert torch.allclose(norms[1], global_norm(plain), rtol=1e-6, atol=0)
+    assert torch.equal(norms[1], norms[2]) and torch.equal(norms[1], norms[4]), norms  # same kernels: bitwise
+    # the global norm (float64 over all gradients) differed from plain's by up to 1.2e-6 of itself
+    assert torch.allclose(norms[1], global_norm(plain), rtol=1e-5, atol=0), (norms[1], global_norm(plain))
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -43,10 +54,11 @@ def test_consistency_every_checkpoint_mode(checkpoint: str) -> None:
     torch.manual_seed(0)
     model = conv_stack()
     x = torch.randn(16, 1, 8, 8)
-    _, plain = step(model, x)
+    with intra_op_threads(1):
+        _, plain = step(model, x)
     for k in (1, 2, 4):
-        _out, g = step(pipe(model, k, chunks=8, checkpoint=checkpoint), x)
-        assert_all_close(g, plain, rtol=1e-5, atol=1e-6)
+        _out, g = step(pipe(model, k, chunks=8, checkpoint=checkpoint, cpu_threads=1), x)
+        assert_all_close_norm(g, plain, rtol=CONV_STACK_RTOL)
 
 
 def test_mlp_outputs_and_gradients() -> None:
