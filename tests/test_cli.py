@@ -45,6 +45,5 @@ def test_schedule_command_interleaved_and_costs(capsys: pytest.CaptureFixture[st
 def test_schedule_command_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "--schedule", "gpipe", "--virtual", "2"]) == 2
     assert "runs one stage per worker" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["schedule", "--costs", "F=-1"])
+    assert main(["schedule", "--costs", "F=-1"]) == 2
     assert "must be positive" in capsys.readouterr().err

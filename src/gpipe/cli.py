@@ -14,17 +14,33 @@ schedule's bubble and peak in-flight activations and draws its timeline.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 from torch import nn
 
 from gpipe.gpipe import GPipe
 from gpipe.schedule import SCHEDULES, kind_cost, make_schedule, render_timeline, simulate
+from gpipe.schedule.render import check_timeline_path
 
-__all__ = ["main"]
+__all__ = ["ArgumentParser", "UsageError", "main"]
+
+
+class UsageError(ValueError):
+    """A bad flag or setting, found before any work starts: the commands print it as one line
+    ``error: ...`` and exit with status 2. (Other exceptions keep their traceback: they are bugs.)"""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose errors are a :class:`UsageError` (one line, no usage dump)
+    instead of ``SystemExit``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
 
 
 def _demo_model(width: int, depth: int, classes: int) -> nn.Sequential:
@@ -84,8 +100,8 @@ def _costs(text: str) -> dict[str, float]:
             costs[kind] = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"cost of {kind} is not a number (got {value!r})") from None
-        if costs[kind] <= 0:
-            raise argparse.ArgumentTypeError(f"cost of {kind} must be positive (got {value})")
+        if not costs[kind] > 0 or not math.isfinite(costs[kind]):
+            raise argparse.ArgumentTypeError(f"cost of {kind} must be positive and finite (got {value})")
     return costs
 
 
@@ -112,7 +128,7 @@ def schedule(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline-parallel training on PyTorch")
+    parser = ArgumentParser(prog="gpipe", description="GPipe pipeline-parallel training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train the paper's Transformer or AmoebaNet-D with pipeline parallelism (see -h)")
     sub.add_parser("bench", help="reproduce the paper's tables here, beside peers; a markdown report (see -h)")
@@ -140,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunks", type=int, default=8, help="M, micro-batches (default: 8)")
     s.add_argument("--virtual", type=int, default=1, help="v, stages per worker (interleaved) (default: 1)")
     s.add_argument("--costs", type=_costs, default={}, help="action costs, e.g. F=1,B=2,I=1,W=1 (default: all 1)")
-    s.add_argument("--out", help="write the timeline picture here (.png or .svg)")
+    s.add_argument("--out", help="write the timeline picture here (.png, .svg, .pdf, ...)")
     s.set_defaults(func=schedule)
     return parser
 
@@ -155,12 +171,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpipe.bench import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        _check(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return int(args.func(args))
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse bad flags of ``gpipe demo`` and ``gpipe schedule`` before any work starts."""
     for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual"):
         if getattr(args, name, 1) <= 0:
-            print(f"error: --{name} must be positive (got {getattr(args, name)})", file=sys.stderr)
-            return 2
-    return int(args.func(args))
+            raise UsageError(f"--{name} must be positive (got {getattr(args, name)})")
+    if args.command == "demo":
+        if args.depth < 2:
+            raise UsageError(f"--depth must be at least 2: the first and the last Linear layer (got {args.depth})")
+        if args.classes < 2:
+            raise UsageError(f"--classes must be at least 2 (got {args.classes})")
+        if not args.lr > 0 or not math.isfinite(args.lr):
+            raise UsageError(f"--lr must be a positive finite number (got {args.lr})")
+    if getattr(args, "out", None):
+        try:
+            check_timeline_path(args.out)
+        except ValueError as exc:
+            raise UsageError(f"--out: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.executor import LocalExecutor, StepRun
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import auto_balance, check_chunks, partition
+from gpipe.partition import as_balance, auto_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.stage import Grads, StepContext, stages_of
@@ -80,6 +80,7 @@ class GPipe(nn.Module):
         super().__init__()
         self.checkpoint = check_mode(checkpoint)
         self.chunks = check_chunks(chunks)
+        balance = as_balance(balance)  # (a NumPy array of counts: a list)
         if balance == "auto":
             if devices is None:
                 raise ValueError("balance='auto' needs devices=[...]: one device per partition to balance over")

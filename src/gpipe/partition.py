@@ -3,6 +3,7 @@ cut safe: every layer in exactly one partition, no module or parameter shared be
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
@@ -15,7 +16,7 @@ from gpipe.rng import derive_seed
 from gpipe.skip import check_skips
 from gpipe.tied import untie
 
-__all__ = ["check_balance", "resolve_devices", "split_module"]
+__all__ = ["as_balance", "check_balance", "resolve_devices", "split_module"]
 
 _BALANCE_HINT = (
     "give one positive layer count per partition, summing to the number of layers, "
@@ -23,15 +24,26 @@ _BALANCE_HINT = (
 )
 
 
+def as_balance(balance: Any) -> Any:
+    """A balance given as a NumPy array or a tensor as a list (of Python numbers); anything else as
+    it is, for :func:`check_balance` to judge."""
+    if not isinstance(balance, (str, bytes)) and callable(getattr(balance, "tolist", None)):
+        return balance.tolist()
+    return balance
+
+
 def check_balance(module: Sized, balance: Any) -> list[int]:
+    """``balance`` as a list of ints (NumPy integers and arrays accepted), or an error saying how to fix it."""
+    balance = as_balance(balance)
     if balance is None:
         raise ValueError(f"balance is required: {_BALANCE_HINT}")
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a sequence of ints (balance: {balance!r}); {_BALANCE_HINT}")
     if not balance:
         raise ValueError(f"balance is empty: {_BALANCE_HINT}")
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
-        raise TypeError(f"balance must contain ints (balance: {list(balance)!r})")
+    if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in balance):
+        raise TypeError(f"balance must contain ints (balance: {list(balance)!r}); {_BALANCE_HINT}")
+    balance = [int(b) for b in balance]
     if any(b <= 0 for b in balance):
         raise ValueError(f"all balance entries must be positive (balance: {list(balance)})")
     if sum(balance) != len(module):

@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.cli import ArgumentParser, UsageError
 from gpipe.data import PAD, ImageFiles, SyntheticImages, SyntheticTranslation, TextPairs
 from gpipe.models import amoebanet_d, transformer
 from gpipe.pipeline import Pipeline
@@ -50,14 +53,75 @@ from gpipe.recipe import (
     rmsprop,
 )
 from gpipe.rng import derive_seed
-from gpipe.saving import latest, load, save, write_atomically
+from gpipe.saving import CheckpointError, latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 
-__all__ = ["TrainConfig", "main", "train"]
+__all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
 MODELS = ("transformer", "amoebanet")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
+
+
+class ConfigError(UsageError):
+    """A bad setting of :class:`TrainConfig` (a flag, a config file's entry, a path), found before
+    the work it would spoil: ``gpipe train`` prints it as one line and exits with status 2. A
+    ``ValueError``; other exceptions, bugs, keep their traceback."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
+
+
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _typed(name: str, value: Any, kind: str, where: str = "") -> Any:
+    """``value`` of setting ``name`` if it is of ``kind`` (``int`` given to a float setting becomes a
+    float); otherwise a :class:`ConfigTypeError` naming both. ``where``: the config file it came from."""
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        fix = ""
+        if kind == "bool":
+            fix = f"; write {name} = true or {name} = false, without quotes (flags: --{_flag(name)}, --no-...)"
+        elif isinstance(value, str) and kind in ("int", "float"):
+            with contextlib.suppress(ValueError):
+                fix = f"; write {name} = {int(value) if kind == 'int' else float(value)}, without quotes"
+        place = f" in {where!r}" if where else ""
+        got = f"{value!r}, of type {type(value).__name__}"
+        raise ConfigTypeError(f"{name}{place} must be {_KINDS[kind]} (got {got}){fix}")
+    return float(value) if kind == "float" else value
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(v: float) -> bool:
+    return 0 < v < math.inf
+
+
+def _nonnegative(v: float) -> bool:
+    return 0 <= v < math.inf
+
+
+def _probability(v: float) -> bool:
+    return 0 <= v < 1
+
+
+_RANGES = {
+    "lr": (_positive, "a positive finite number"),
+    "temperature": (_positive, "a positive finite number"),
+    "clip_norm": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "logit_clip": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "dropout": (_probability, "in [0, 1)"),
+    "label_smoothing": (_probability, "in [0, 1)"),
+}
 
 
 @dataclass(kw_only=True)
@@ -114,36 +178,76 @@ class TrainConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def check(self) -> None:
-        """Refuse bad values, naming them."""
+        """Refuse bad settings, naming them and the fix, before any work starts: a wrong type
+        (:class:`ConfigTypeError`, a ``TypeError``), a value out of range, or paths that cannot work
+        (``--data``, ``--out``, ``--resume``): :class:`ConfigError`, a ``ValueError``."""
+        for f in fields(self):
+            _typed(f.name, getattr(self, f.name), str(f.type))
         if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
             )
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "chunks", "batch", "steps",
-                    "warmup", "threads")  # fmt: skip
+                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+                raise ConfigError(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
+        for name, (ok, requirement) in _RANGES.items():
+            if not ok(getattr(self, name)):  # (NaN fails every comparison)
+                raise ConfigError(f"--{_flag(name)} must be {requirement} (got {getattr(self, name)})")
         if self.layers < 0:
-            raise ValueError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
+            raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
         if self.classes < 2:
-            raise ValueError(f"--classes must be at least 2 (got {self.classes})")
+            raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
         if self.dim % self.heads:
-            raise ValueError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+            raise ConfigError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
         if self.model == "amoebanet" and self.filters < 4:
-            raise ValueError(f"--filters must be at least 4 (got {self.filters})")
+            raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
+        if self.model == "amoebanet" and self.image_size < 4:
+            raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
         layers, formula = self.model_layers()
         if self.partitions > layers:
-            raise ValueError(
+            raise ConfigError(
                 f"--partitions {self.partitions} exceeds the model's {layers} layers "
                 f"({formula}); use fewer partitions or more layers"
             )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and world != self.partitions:
+            raise ConfigError(
+                f"--partitions {self.partitions} differs from the {world} processes of torchrun: give "
+                f"--partitions {world}, or start torchrun with --nproc-per-node {self.partitions}"
+            )
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        if self.data and not Path(self.data).exists():
+            raise ConfigError(
+                f"cannot read the data file {self.data!r}: there is no such file or folder "
+                "(leave --data out for synthetic data)"
+            )
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {self.out!r} is a file; name a directory (it is created if missing)")
+        above = next((p for p in out.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"--out {self.out!r} is inside {str(above)!r}, which is a file; name a directory")
+        if self.resume:
+            checkpoints = out / "checkpoints"
+            try:
+                found = latest(checkpoints)
+            except CheckpointError as exc:
+                raise ConfigError(f"--resume: {exc}") from exc
+            if found is None:
+                raise ConfigError(
+                    f"--resume: no checkpoint in {str(checkpoints)!r}; leave --resume out to start afresh, "
+                    "or give the --out of the run to continue"
+                )
 
     @property
     def depth(self) -> int:
@@ -169,8 +273,9 @@ def _flag_type(f: dataclasses.Field[Any]) -> Any:
 
 
 def parse(argv: Sequence[str] | None = None) -> TrainConfig:
-    """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags."""
-    parser = argparse.ArgumentParser(
+    """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags;
+    checked (:meth:`TrainConfig.check`): a bad flag or setting raises :class:`ConfigError`."""
+    parser = ArgumentParser(
         prog="gpipe train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", help="a TOML or JSON file of settings; flags override it")
@@ -183,24 +288,35 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
             parser.add_argument(flag, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS,
                                 help=f"{f.metadata['help']} (default: {f.default!r})")  # fmt: skip
     args = vars(parser.parse_args(argv))
-    settings: dict[str, Any] = {}
-    if args.get("config"):
-        settings = _read_config(args.pop("config"))
-    args.pop("config", None)
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown settings in the config file: {', '.join(unknown)}")
-    return TrainConfig(**{**settings, **args})
+    path = args.pop("config", None)
+    settings = _read_config(path) if path else {}
+    cfg = TrainConfig(**{**settings, **args})
+    cfg.check()
+    return cfg
 
 
 def _read_config(path: str) -> dict[str, Any]:
+    """The settings of a TOML or JSON file, each a known setting of its field's type."""
     try:
         text = Path(path).read_text()
         data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the config file {path!r}: {exc}") from None
-    return {k.replace("-", "_"): v for k, v in data.items()}
+        raise ConfigError(f"cannot read the config file {path!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"the config file {path!r} holds a {type(data).__name__}; it must hold an object of settings, "
+            'e.g. {"steps": 500, "partitions": 4}'
+        )
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    settings = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in kinds:
+            close = difflib.get_close_matches(name, kinds, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(kinds)}"
+            raise ConfigError(f"unknown setting {key!r} in the config file {path!r}; {hint}")
+        settings[name] = _typed(key, value, kinds[name], where=path)
+    return settings
 
 
 def _rank() -> int:
@@ -232,7 +348,7 @@ def one_run(out: Path) -> Iterator[None]:
         yield
         return
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; name a directory (it is created if missing)")
+        raise ConfigError(f"--out {str(out)!r} is a file; name a directory (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     lock = open(out / ".lock", "a+")  # noqa: SIM115 - held open for the whole run
     try:
@@ -241,7 +357,7 @@ def one_run(out: Path) -> Iterator[None]:
         except BlockingIOError:
             lock.seek(0)
             pid = lock.read().strip() or "unknown"
-            raise ValueError(
+            raise ConfigError(
                 f"another gpipe train (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
                 "stop it, or give another --out"
             ) from None
@@ -256,7 +372,12 @@ def one_run(out: Path) -> Iterator[None]:
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
-    data = _data(cfg)
+    try:
+        data = _data(cfg)
+    except ValueError as exc:
+        if not cfg.data:
+            raise  # synthetic data: the settings were checked, so this is a bug
+        raise ConfigError(str(exc)) from exc  # (data.py's errors name the file and what is wrong)
     model = _model(cfg, data)
     tokens = data.unit != "images"
     # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
@@ -390,11 +511,12 @@ def evaluate(pipe: Pipeline, data: Any, cfg: TrainConfig, loss_fn: Any) -> dict[
 
 
 def _progress(cfg: TrainConfig, start: int) -> Any:
+    """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds."""
     if not cfg.progress or _rank() != 0:
         return None
-    from tqdm import tqdm
+    from gpipe.progress import progress
 
-    return tqdm(total=cfg.steps, initial=start - 1, desc="gpipe train", unit="step", dynamic_ncols=True)
+    return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 
 
 def _state_path(out: Path, step: int) -> Path:
@@ -412,11 +534,11 @@ def _save(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out:
 
 def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path) -> int:
     if latest(out / "checkpoints") is None:
-        raise ValueError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+        raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
     step = load(pipe, out / "checkpoints")
     state = torch.load(_state_path(out, step), weights_only=False)
     if state["partitions"] != cfg.partitions:
-        raise ValueError(
+        raise ConfigError(
             f"--resume needs the same --partitions as the checkpoint's optimizer state "
             f"(checkpoint: {state['partitions']}, now: {cfg.partitions})"
         )
@@ -439,7 +561,9 @@ def _truncate(path: Path, start: int) -> None:
         except (ValueError, TypeError, KeyError):
             if i == len(lines) - 1:
                 break  # torn by a crash while it was written
-            raise ValueError(f"{str(path)!r} line {i + 1} is not a metrics record: {line[:80]!r}") from None
+            raise ConfigError(
+                f"{str(path)!r} line {i + 1} is not a metrics record: {line[:80]!r}; repair or remove the file"
+            ) from None
         if step < start:
             kept.append(line)
     write_atomically(path, lambda p: p.write_text("".join(line + "\n" for line in kept)))
@@ -504,11 +628,12 @@ def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``gpipe train``. A bad flag, setting, path or checkpoint (:class:`ConfigError`,
+    ``CheckpointError``) is one line ``error: ...`` and exit status 2; any other exception is a bug
+    and keeps its traceback."""
     try:
-        cfg = parse(argv)
-        cfg.check()
-        train(cfg)
-    except ValueError as exc:
+        train(parse(argv))
+    except (UsageError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

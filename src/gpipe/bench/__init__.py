@@ -29,6 +29,7 @@ import torch
 
 from gpipe.bench import engine, memory, overhead, peers, throughput
 from gpipe.bench.common import Bench, Section
+from gpipe.cli import ArgumentParser
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -41,6 +42,21 @@ SECTIONS: dict[str, Callable[[Bench, Path], Section]] = {
 }
 
 
+def check(out: Path, only: Sequence[str], repeats: int | None) -> None:
+    """Refuse bad arguments of :func:`run` (a ``ValueError`` naming them) before any work starts."""
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if not only:
+        raise ValueError(f"no section to run; choose from {', '.join(SECTIONS)}")
+    if repeats is not None and repeats < 1:
+        raise ValueError(f"repeats must be positive (repeats: {repeats})")
+    above = next((p for p in (out, *out.parents) if p.exists()), None)
+    if above is not None and not above.is_dir():
+        where = "is a file" if above == out else f"is inside {str(above)!r}, which is a file"
+        raise ValueError(f"the report's folder {str(out)!r} {where}; name a folder (it is created if missing)")
+
+
 def run(
     out: Path,
     *,
@@ -51,11 +67,7 @@ def run(
 ) -> Path:
     """Run the sections ``only``, write ``out/report.md`` (with its figures) and ``out/results.json``;
     returns the report's path."""
-    unknown = [s for s in only if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    if repeats is not None and repeats < 1:
-        raise ValueError(f"repeats must be positive (repeats: {repeats})")
+    check(out, only, repeats)
     bench = Bench(quick=quick, repeats=repeats) if repeats else Bench.of(quick)
     out.mkdir(parents=True, exist_ok=True)
     sections: list[Section] = []
@@ -163,18 +175,20 @@ def _tracking(row: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpipe bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = ArgumentParser(prog="gpipe bench", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--full", action="store_true", help="the full sizes (tens of minutes) instead of quick")
     parser.add_argument("--out", default="runs/bench", help="where the report goes (default: runs/bench)")
     parser.add_argument("--repeats", type=int, help="repetitions per measurement (default: 3 quick, 7 full)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated: {', '.join(SECTIONS)}")
-    args = parser.parse_args(argv)
-    try:
-        report = run(Path(args.out), quick=not args.full, only=[s for s in args.only.split(",") if s],
-                     repeats=args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    try:  # only the flags are checked here: an error later is a bug, with its traceback
+        args = parser.parse_args(argv)
+        only = [s for s in args.only.split(",") if s]
+        check(Path(args.out), only, args.repeats)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    report = run(Path(args.out), quick=not args.full, only=only, repeats=args.repeats,
+                 log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     print(f"report: {report}")
     return 0

@@ -11,16 +11,41 @@ from pathlib import Path
 
 from gpipe.schedule.simulate import Simulation
 
-__all__ = ["COLORS", "render_timeline"]
+__all__ = ["COLORS", "check_timeline_path", "render_timeline"]
 
 COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#F58518", "W": "#B279A2"}
 _NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
 
 
+def _formats() -> list[str]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_timeline_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` if a picture can be written there: its suffix names a format matplotlib writes
+    (.png, .svg, .pdf, ...) and its folder exists; otherwise a ``ValueError`` that says why."""
+    out = Path(path)
+    suffix = out.suffix.lower().lstrip(".")
+    formats = _formats()
+    if suffix not in formats:
+        what = f"extension .{suffix}" if suffix else "no extension"
+        raise ValueError(f"{str(out)!r} has {what}; end the name with one of {', '.join('.' + f for f in formats)}")
+    if out.is_dir():
+        raise ValueError(f"{str(out)!r} is a folder; name a file in it, e.g. {str(out / ('timeline.' + suffix))!r}")
+    folder = out.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise ValueError(f"the folder {str(folder)!r} of {str(out)!r} {problem}; create it or write elsewhere")
+    return out
+
+
 def render_timeline(
     sim: Simulation, path: str | os.PathLike[str], *, title: str | None = None, unit: str = "time"
 ) -> Path:
-    """Draw ``sim`` to ``path``; the format follows the suffix (.png, .svg, .pdf)."""
+    """Draw ``sim`` to ``path``; the format follows the suffix (.png, .svg, .pdf, ...)."""
+    out = check_timeline_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,7 +96,6 @@ def render_timeline(
         fontsize=8,
     )
     fig.tight_layout()
-    out = Path(path)
     fig.savefig(out, dpi=150)
     plt.close(fig)
     return out
