@@ -24,18 +24,20 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
-from gpipe.distributed import DistributedExecutor, init_from_env
+from gpipe.distributed import DistributedExecutor, collective, init_from_env, start_heartbeat
 from gpipe.executor import LocalExecutor
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import Layers, auto_balance, check_chunks, partition
+from gpipe.partition import Layers, as_balance, auto_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
@@ -79,8 +81,9 @@ class Pipeline(nn.Module):
         deferred_batch_norm: per-micro-batch batch-norm statistics, running averages per mini-batch.
         measure_memory: record every worker's peak activation memory in each step's trace
             (``last_trace.peak_activation_bytes``); costs a hook call per saved tensor.
-        timeout: under torch.distributed, seconds a transfer between ranks may take before the step
-            fails (a rank that dies or raises is reported at once).
+        timeout: under torch.distributed, seconds a transfer or a collective between ranks may take
+            before the step fails, naming the rank that does not answer (a rank that dies or raises
+            is named at once).
         data_parallel: under torch.distributed, the number of data-parallel replicas of the
             pipeline (world = data_parallel x K, on a 2-D DeviceMesh ("dp", "pp")). Every rank
             passes the global mini-batch to ``step``; each replica trains on its share, and each
@@ -109,6 +112,7 @@ class Pipeline(nn.Module):
         loss_count: Callable[[Any], int | Tensor] | None = None,
     ) -> None:
         super().__init__()
+        balance = as_balance(balance)  # (a NumPy array of counts: a list)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not callable(loss_fn):
@@ -136,6 +140,7 @@ class Pipeline(nn.Module):
                 f"data_parallel x stages processes)"
             )
         if self.distributed:
+            start_heartbeat(timeout)
             if balance == "auto":
                 balance = self._auto_balance_everywhere(module, sample)
             self._build_distributed(module, balance, devices, loss_fn, deferred_batch_norm, timeout, init_seed, tied)
@@ -167,7 +172,8 @@ class Pipeline(nn.Module):
         balance (timings differ from process to process; the balance must not)."""
         stages = dist.get_world_size() // self.data_parallel * self.virtual
         found: list[Any] = [auto_balance(module, stages, sample, self.chunks) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(found, src=0)
+        with collective("broadcast of the automatic balance from rank 0"):
+            dist.broadcast_object_list(found, src=0)
         return list(found[0])
 
     def _build_distributed(
@@ -191,10 +197,14 @@ class Pipeline(nn.Module):
                 f"under torch.distributed, devices lists one device per rank (devices: {len(devices)}, ranks: {world})"
             )
         device = torch.device(devices[me]) if devices is not None else _default_device()
-        mesh = init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "pp"))
+        with collective("creation of the device mesh"):
+            mesh = init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "pp"))
         self.dp_rank, rank = mesh.get_coordinate() or (0, 0)
         self._dp_group = mesh["dp"].get_group() if dp > 1 else None
         self._pp_group = mesh["pp"].get_group()
+        for group in (self._dp_group, self._pp_group):  # the mesh's groups wait 30 min by default
+            if group is not None:
+                _set_pg_timeout(timedelta(seconds=timeout), group)
         replicas = mesh.mesh.tolist()
         k = len(replicas[0])
         workers = [device if w == rank else torch.device("meta") for w in range(k)]
@@ -220,7 +230,10 @@ class Pipeline(nn.Module):
         stages = [
             Stage(s, partitions[s], firsts[s], device, loss_fn if s == len(partitions) - 1 else None) for s in mine
         ]
-        self._executor = DistributedExecutor(stages, len(partitions), replicas=replicas, device=device, timeout=timeout)
+        with collective("creation of the pipeline's process groups"):
+            self._executor = DistributedExecutor(
+                stages, len(partitions), replicas=replicas, device=device, timeout=timeout
+            )
         self._ties = self._distributed_ties(partitions, tied, replicas, mine)
 
     def _layer(self, partitions: Sequence[nn.Sequential], index: int) -> tuple[int, nn.Module]:
@@ -251,18 +264,22 @@ class Pipeline(nn.Module):
         every rank for every replica, in the same order: new_group is collective)."""
         ties = []
         me, k = dist.get_rank(), len(replicas[0])
+        assert isinstance(self._executor, DistributedExecutor)
+        timeout = timedelta(seconds=self._executor.timeout)
         for members in untie_names(tied):
             stages = [self._layer(partitions, i)[0] for i, _ in members]
             tie = Tie(members)
             for ranks in replicas:
                 holders = sorted({ranks[s % k] for s in stages})
-                group = dist.new_group(holders) if len(holders) > 1 else None
+                with collective(f"creation of the process group of tied parameter {_tie_name(tie)}"):
+                    group = dist.new_group(holders, timeout=timeout) if len(holders) > 1 else None
                 if me in ranks:
                     tie.group, tie.owner = group, ranks[stages[0] % k]
             tie.local = [
                 self._layer(partitions, i)[1].get_parameter(path) for (i, path), s in zip(members, stages) if s in mine
             ]
-            tie.sync_values()
+            with collective(f"broadcast of tied parameter {_tie_name(tie)}", tie.group):
+                tie.sync_values()
             ties.append(tie)
         return ties
 
@@ -282,8 +299,9 @@ class Pipeline(nn.Module):
         if not self.distributed:
             return seed
         t = torch.tensor([seed], dtype=torch.int64, device=self._comm_device())
-        dist.broadcast(t, src=0)
-        return int(t.item())
+        with collective("broadcast of the step's seed from rank 0"):
+            dist.broadcast(t, src=0)
+            return int(t.item())
 
     def _comm_device(self) -> torch.device:
         return self.devices[0] if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -292,7 +310,8 @@ class Pipeline(nn.Module):
         """The mini-batch loss, from the last stage's rank (summed over the replicas) to every rank."""
         if loss is not None and self._dp_group is not None:
             loss = loss.detach().reshape(1).to(self._comm_device())
-            dist.all_reduce(loss, group=self._dp_group)
+            with collective("all-reduce of the loss over the data-parallel replicas", self._dp_group):
+                dist.all_reduce(loss, group=self._dp_group)
             loss = loss[0]
         return self.from_last_stage(loss)
 
@@ -308,8 +327,9 @@ class Pipeline(nn.Module):
         if value is not None:
             buf.copy_(value.detach().reshape(1))
         last = executor.pipeline_ranks[(executor.num_stages - 1) % len(executor.pipeline_ranks)]
-        dist.broadcast(buf, src=last, group=self._pp_group)
-        return buf[0].to(self.devices[0])
+        with collective(f"broadcast from the last stage's rank {last}", self._pp_group):
+            dist.broadcast(buf, src=last, group=self._pp_group)
+            return buf[0].to(self.devices[0])
 
     def _all_reduce_gradients(self) -> None:
         """Sum each stage's gradients over its data-parallel replicas (each replica's loss is already
@@ -320,7 +340,8 @@ class Pipeline(nn.Module):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for the whole stage
-        dist.all_reduce(flat, group=self._dp_group)
+        with collective("all-reduce of the gradients over the data-parallel replicas", self._dp_group):
+            dist.all_reduce(flat, group=self._dp_group)
         for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
             g.copy_(reduced.view_as(g))
 
@@ -339,6 +360,11 @@ class Pipeline(nn.Module):
     def step(self, inputs: Any, target: Any) -> Tensor:
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
         accumulated into the parameters' ``.grad``."""
+        if target is None:
+            raise TypeError(
+                "Pipeline.step(inputs, target) needs the target that loss_fn compares the output with "
+                "(target: None); to run the forward pass alone, call pipe(inputs)"
+            )
         total = _size(scatter(inputs, 1)[0])
         batches = scatter(self._share(inputs), self.chunks)
         targets = scatter(self._share(target), self.chunks)
@@ -362,7 +388,8 @@ class Pipeline(nn.Module):
             schedule = self.schedule_for(len(batches))
             run, losses = self._executor.step(schedule, batches, ctx, measure_memory=self.measure_memory)
         for tie in self._ties:
-            tie.sync_grads()
+            with collective(f"all-reduce of tied parameter {_tie_name(tie)}'s gradients", tie.group):
+                tie.sync_grads()
         self._all_reduce_gradients()
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
@@ -400,6 +427,10 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _tie_name(tie: Tie) -> str:
+    return "/".join(f"{i}.{path}" for i, path in tie.members)
 
 
 def _size(batch: Batch) -> int:

@@ -1,0 +1,114 @@
+"""A rank lost at any point of a step — killed (SIGKILL) or stopped (SIGSTOP) — in the step's first
+collective (the seed's broadcast), in its actions, in the loss's broadcast or in the data-parallel
+all-reduce: every other rank exits within the timeout with a PipelineError that names it, the raw
+gloo error kept as its cause."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import start
+
+TIMEOUT = 5.0  # Pipeline(timeout=...): how long a transfer or a collective may take
+EXIT = 2.0  # what a process takes to exit once it raised (the process group's teardown)
+
+
+@dataclass
+class Lost:
+    codes: list[int | None]
+    outputs: list[str]
+    seconds: dict[int, float]  # per survivor: from the victim's loss to its exit
+
+
+def lose(tmp_path: Path, world: int, victim: int, where: str, how: str, dp: int = 1, limit: float = 60) -> Lost:
+    """Run ``lost_at`` on ``world`` ranks; wait for every rank but the victim to exit, then kill
+    whatever is left (a stopped victim too: SIGKILL ends a stopped process)."""
+    mark = tmp_path / "lost_at"
+    procs = start("lost_at", world, tmp_path, rank=victim, where=where, how=how, timeout=TIMEOUT, mark=str(mark), dp=dp)
+    outputs = [""] * world
+
+    def drain(r: int, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        outputs[r] = p.stdout.read()
+
+    readers = [threading.Thread(target=drain, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+    for t in readers:
+        t.start()
+    ended: dict[int, float] = {}
+    try:
+        deadline = time.monotonic() + limit
+        while len(ended) < world - 1 and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r != victim and r not in ended and p.poll() is not None:
+                    ended[r] = time.time()
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(10)
+    assert mark.exists(), f"the victim never got to {where!r}:\n" + "\n".join(o[-3000:] for o in outputs)
+    lost_at = float(mark.read_text())
+    return Lost([p.returncode for p in procs], outputs, {r: t - lost_at for r, t in ended.items()})
+
+
+def check(lost: Lost, victim: int, bound: float, message: str, raw: str) -> None:
+    for r, out in enumerate(lost.outputs):
+        if r == victim:
+            continue
+        assert r in lost.seconds, f"rank {r} did not exit:\n{out[-3000:]}"
+        assert lost.codes[r] not in (0, None), (r, lost.codes)
+        assert lost.seconds[r] < bound, (r, lost.seconds[r], out[-3000:])
+        assert f"gpipe.distributed.PipelineError: {message}" in out, (r, out[-3000:])
+        assert raw in out, (r, out[-3000:])  # the transport's own words stay, as the cause or the tail
+
+
+def test_a_rank_killed_between_steps_is_named_at_once(tmp_path: Path) -> None:
+    """The next step's first collective (the seed's broadcast) finds rank 1's socket closed."""
+    lost = lose(tmp_path, 2, 1, "between", "kill")
+    check(lost, 1, TIMEOUT, "rank 1 is gone: the broadcast of the step's seed", "gloo")
+    assert "The above exception was the direct cause" in lost.outputs[0]
+
+
+def test_a_rank_stopped_between_steps_is_named_after_the_timeout(tmp_path: Path) -> None:
+    lost = lose(tmp_path, 2, 1, "between", "stop")
+    check(lost, 1, TIMEOUT + 3 + EXIT, "rank 1 is not responding: the broadcast of the step's seed", "Timed out")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_lost_before_the_loss_broadcast_is_named(tmp_path: Path, how: str) -> None:
+    """Rank 1 holds the last stage: rank 0 waits for the loss it broadcasts."""
+    lost = lose(tmp_path, 2, 1, "loss", how)
+    state, bound = ("gone", TIMEOUT) if how == "kill" else ("not responding", TIMEOUT + 3 + EXIT)
+    check(lost, 1, bound, f"rank 1 is {state}: the broadcast from the last stage's rank 1", "gloo")
+
+
+def test_a_rank_stopped_in_a_step_is_named(tmp_path: Path) -> None:
+    lost = lose(tmp_path, 2, 1, "step", "stop")
+    check(lost, 1, TIMEOUT + 3 + EXIT, "rank 1 is not responding (rank 0 lost its connection to rank 1", "Timed out")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_rank_0_lost_between_steps_takes_the_store_and_is_named(tmp_path: Path, how: str) -> None:
+    """Rank 0 hosts the process group's store: the others name it from the store's silence."""
+    lost = lose(tmp_path, 2, 0, "between", how)
+    state, bound = ("gone", TIMEOUT) if how == "kill" else ("not responding", TIMEOUT + 3 + EXIT)
+    check(lost, 0, bound, f"rank 0 is {state} (the process group's store", "gloo")
+
+
+def test_a_replica_lost_before_the_gradient_all_reduce_is_named_everywhere(tmp_path: Path) -> None:
+    """dp=2 x pp=2: rank 3 dies before the all-reduce of its gradients; its replica peer (rank 1)
+    loses it there, its stage peer (rank 2) in the loss's broadcast, rank 0 through the store."""
+    lost = lose(tmp_path, 4, 3, "grads", "kill", dp=2)
+    check(lost, 3, TIMEOUT, "rank 3 is gone", "gloo")
+    assert "the all-reduce of the gradients over the data-parallel replicas over ranks [1, 3]" in lost.outputs[1]
