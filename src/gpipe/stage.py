@@ -16,7 +16,10 @@ step says (the micro-batch's share of the mini-batch's samples, or one over the 
 counts), so that the gradients are those of the mini-batch's mean loss.
 
 Stages hold no per-step state: what a forward keeps for its backward is returned to the caller
-(an executor), which hands it back.
+(an executor), which hands it back. What a stage learns once and keeps (see ``docs/engine.md``):
+which layers draw random numbers (the others are called plainly), which inputs its layers change in
+place (those are copied), and which outputs need a gradient (only those get one). A recomputation
+leaves norm layers' running statistics as the forward left them.
 """
 
 from __future__ import annotations
