@@ -27,8 +27,7 @@ pipeline is built: every pop needs an earlier stash of the name, every stash a l
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
@@ -99,16 +98,6 @@ def enter(skips: dict[str, Any]) -> Any:
 
 def leave(before: Any) -> None:
     _local.skips = before
-
-
-@contextmanager
-def scope(skips: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Within this context, on this thread, :func:`stash` and :func:`pop` use ``skips``."""
-    before = enter(skips)
-    try:
-        yield skips
-    finally:
-        leave(before)
 
 
 def check_skips(layers: Sequence[nn.Module]) -> None:

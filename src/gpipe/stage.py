@@ -24,6 +24,7 @@ leaves norm layers' running statistics as the forward left them.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -118,6 +119,10 @@ def _clone(t: Tensor) -> Tensor:
     return t.clone()
 
 
+def _differentiable(v: Any) -> bool:
+    return isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())
+
+
 def _pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:
     outs, gs = [], []
     for o, g in zip(outputs.values, grads):
@@ -180,8 +185,9 @@ class _InPlace:
             state = Batch(values, state.atomic, state.skips, state.needs_grad)
         return state, versions
 
-    def check(self, entry: int, training: bool, given: Batch, fed: Batch, token: Any, where: str) -> None:
-        """After the layers ran: learn (first time) or verify that no un-cloned input changed."""
+    def check(self, entry: int, training: bool, given: Batch, fed: Batch, token: Any, where: Callable[[], str]) -> None:
+        """After the layers ran: learn (first time) or verify that no un-cloned input changed
+        (``where()`` names the place, for the error)."""
         if token is None:
             changed = tuple(i for i, v in enumerate(fed.values) if isinstance(v, Tensor) and v._version)
             self.known[(entry, training)] = changed
@@ -189,7 +195,7 @@ class _InPlace:
         for i, (v, before) in enumerate(zip(given.values, token)):
             if isinstance(v, Tensor) and v._version != before and i not in self.known[(entry, training)]:
                 raise RuntimeError(
-                    f"{where} modified its input {i} in place, which it did not do on its first run "
+                    f"{where()} modified its input {i} in place, which it did not do on its first run "
                     "(so gpipe did not protect it): the input a re-materialized micro-batch is recomputed "
                     "from is now lost. Make the in-place operation unconditional or out of place "
                     "(e.g. inplace=False)"
@@ -209,8 +215,8 @@ class Stage:
         self.loss_fn = loss_fn
         self._deferred_bn = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._norms = _running_stats(module)
-        # (position in the stage, training) -> whether the layer draws random numbers; layers that
-        # hold a dropout are seeded in training from the start, the others learn it on first call.
+        # training -> per position in the stage, whether the function there draws random numbers
+        # (None: not known yet, found out on its next call); see learn_randomness_again.
         self._draws: dict[bool, list[bool | None]] = {}
         self.learn_randomness_again()
         self._in_place = _InPlace()
@@ -296,7 +302,7 @@ class Stage:
         finally:
             skip.leave(before)
         if protect:
-            self._in_place.check(-1, ctx.training, batch, fed, token, f"stage {self.index}")
+            self._in_place.check(-1, ctx.training, batch, fed, token, lambda: f"stage {self.index}")
         out = Batch.of(value)
         return out.with_skips(skips) if skips or batch.skips else out
 
@@ -311,14 +317,13 @@ class Stage:
                 value = self._call(i, layer, fed.value, m, ctx)
             finally:
                 skip.leave(before)
-            self._in_place.check(i, ctx.training, leaves, fed, token, self._where(i))
+            self._in_place.check(i, ctx.training, leaves, fed, token, functools.partial(self._where, i))
             state = Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
             tape.append((leaves, state))
         return state
 
     def _input_leaf(self, t: Tensor, needs_grad: bool) -> Tensor:
-        differentiable = t.is_floating_point() or t.is_complex()
-        return t.detach().requires_grad_(needs_grad and differentiable)
+        return t.detach().requires_grad_(needs_grad and _differentiable(t))
 
     def forward(self, m: int, batch: Batch, ctx: StepContext, *, split: bool = False) -> tuple[Batch, Saved | None]:
         """Forward of micro-batch ``m``. Returns the (detached) output, flagged with which values
@@ -337,9 +342,7 @@ class Stage:
                 with torch.no_grad(), checkpointing():
                     outputs = self._run(m, inputs, ctx)
                 if len(flows) != len(outputs):  # another structure than learned: say every float needs one
-                    flows = tuple(
-                        isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs.values
-                    )
+                    flows = tuple(_differentiable(v) for v in outputs.values)
                 return outputs.flagged(flows), Saved(inputs, None)
             # Once per kind of input: run with autograd on to learn which outputs need a gradient
             # (then drop the graph); the values are the same as without autograd.
@@ -407,7 +410,11 @@ class Stage:
             wanted = [v for v in leaves.values if isinstance(v, Tensor) and v.requires_grad]
             if j in self._fused:
                 params = self._params(j)
-                both = torch.autograd.grad(outs, wanted + params, gs, allow_unused=True) if outs else ()
+                both = (
+                    torch.autograd.grad(outs, wanted + params, gs, allow_unused=True)
+                    if outs and (wanted or params)
+                    else ()
+                )
                 saved.weight_grads[j] = tuple(both[len(wanted) :])
                 found = iter(both[: len(wanted)])
             else:
