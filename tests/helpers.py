@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gpipe import GPipe
+from gpipe.bench.common import intra_op_threads  # noqa: F401 - shared with the tests
 
 
 def even(layers: int, partitions: int) -> list[int]:
@@ -74,16 +74,3 @@ def assert_all_close_norm(a: list[Tensor], b: list[Tensor], rtol: float, *, atol
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert_close_norm(x, y, rtol, atol=atol, msg=f"tensor {i}")
-
-
-@contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """Run the block on ``n`` intra-op threads. CPU kernels split their sums by thread, so a plain
-    reference run on as many threads as each pipeline worker (``cpu_threads``) runs the same kernels
-    on the same micro-batch shapes, and rounds the same way, whatever the machine's core count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from gpipe import DeferredBatchNorm, GPipe
+from tests.helpers import intra_op_threads
 
 
 def bn_model(first_stage: bool = True) -> nn.Sequential:
@@ -84,16 +85,12 @@ def test_plain_batch_norm_counts_each_microbatch_once_under_rematerialization(
         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
     )  # fmt: skip
     gp = GPipe(copy.deepcopy(plain), [2, 4], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint, cpu_threads=1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels on both sides: the statistics compare bitwise
-    try:
+    with intra_op_threads(1):  # the same kernels on both sides: the statistics compare bitwise
         for _ in range(2):
             x = torch.randn(16, 3, 6, 6) * 2 + 1
             for chunk in x.chunk(4):
                 plain(chunk)
             gp(x).mean().backward()
-    finally:
-        torch.set_num_threads(threads)
     plain_bns = [m for m in plain.modules() if isinstance(m, nn.BatchNorm2d)]
     gp_bns = [m for m in gp.modules() if isinstance(m, nn.BatchNorm2d)]
     for a, b in zip(gp_bns, plain_bns):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "Bench",
     "Section",
     "Workload",
+    "intra_op_threads",
     "launch",
     "mlp",
     "mlp_batch",
@@ -156,6 +158,18 @@ def take_turns(
             barrier()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads (then the caller's again). CPU kernels split their
+    sums by thread: two runs compare bitwise, or time alike, on the same count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def spread(values: Sequence[float], fmt: str = ".2f") -> str:

@@ -23,8 +23,7 @@ import copy
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -34,7 +33,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from gpipe.bench.common import Bench, Section, spread, take_turns, timed, token_loss
+from gpipe.bench.common import Bench, Section, intra_op_threads, spread, take_turns, timed, token_loss
 from gpipe.models import transformer_lm
 from gpipe.pipeline import Pipeline
 
@@ -81,16 +80,6 @@ def sizes(bench: Bench) -> Sizes:
         tiny_steps=10 if bench.quick else 30, compiled_layers=layers, compiled_hidden=1024, compiled_dim=256,
         compiled_batch=64, compiled_seq=32, compiled_chunks=8, compiled_dropout=0.1, repeats=bench.repeats,
     )  # fmt: skip
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _plain_step(model: nn.Module, loss_fn: Callable[[Any, Tensor], Tensor], x: Tensor, y: Tensor, chunks: int) -> None:
@@ -258,7 +247,7 @@ def compiled(s: Sizes) -> dict[str, Any]:
 
 def measure(s: Sizes) -> dict[str, Any]:
     """All three comparisons, on one intra-op thread."""
-    with _threads(1):
+    with intra_op_threads(1):
         return {"sizes": asdict(s), "lm": lm(s), "host": host(s), "compiled": compiled(s)}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from gpipe.balance import solve
 from gpipe.balance.profile import _backward, _each_layer, _leaves
-from gpipe.bench.common import Bench, Section, Workload, launch, spread, timed, workloads
+from gpipe.bench.common import Bench, Section, Workload, intra_op_threads, launch, spread, timed, workloads
 from gpipe.microbatch import Batch, scatter
 from gpipe.schedule import Action, ActionKind, make_schedule, simulate
 
@@ -82,10 +82,8 @@ def _measure(bench: Bench, work: Workload, costs: list[float], partitions: int) 
 def run(bench: Bench, out: Path) -> Section:
     cores = os.cpu_count() or 1
     measured_k = [k for k in PARTITIONS if k <= cores]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
     rows: dict[str, Any] = {}
-    try:
+    with intra_op_threads(1):
         for work in workloads(bench):
             model = work.build()
             costs = {m: layer_costs(model, scatter(work.inputs, m)[0].value, bench.repeats) for m in MICROBATCHES}
@@ -106,8 +104,6 @@ def run(bench: Bench, out: Path) -> Section:
                     measured[(k, m)] = [work.items / t for t in times]
             rows[work.name] = {"work": work, "projected": projected, "ideal": ideal, "measured": measured,
                                "balances": balances}  # fmt: skip
-    finally:
-        torch.set_num_threads(previous)
     figure = _plot(rows, out / "throughput.png")
     return Section("Throughput (Tables 2 and 3)", _markdown(rows, measured_k, cores), [figure], _data(rows))
 
