@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "names", "untie"]
+__all__ = ["Tie", "layer_at", "local_ties", "names", "shared", "untie", "with_shared"]
 
 
 def _parse(name: str, layers: int) -> tuple[int, str]:
@@ -108,3 +108,49 @@ class Tie:
                 p.grad = total.to(p.device)
             else:
                 p.grad.copy_(total)
+
+
+def shared(model: nn.Sequential, balance: Sequence[int]) -> list[list[str]]:
+    """The ties gpipe makes itself: parameters that layers of different stages hold as the same
+    object (a language model's token embedding and its output projection), named as ``tied``
+    names them. Layers given as factories cannot be compared and are not looked at."""
+    if not isinstance(model, nn.Sequential):
+        return []
+    stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for i, layer in enumerate(model):
+        if i >= len(stage_of):
+            break
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            found = holders.setdefault(id(p), [])
+            if all(j != i for j, _ in found):
+                found.append((i, name))
+    return [
+        [f"{i}.{name}" for i, name in found] for found in holders.values() if len({stage_of[i] for i, _ in found}) > 1
+    ]
+
+
+def with_shared(model: Any, balance: Sequence[int], tied: Sequence[Sequence[str]]) -> list[list[str]]:
+    """``tied`` and the shared parameters it does not name already."""
+    named = {n for group in tied for n in group}
+    return [list(group) for group in tied] + [g for g in shared(model, balance) if not named & set(g)]
+
+
+def layer_at(partitions: Sequence[nn.Sequential], balance: Sequence[int], index: int) -> tuple[int, nn.Module]:
+    """The stage holding global layer ``index``, and the layer."""
+    first = 0
+    for s, count in enumerate(balance):
+        if index < first + count:
+            return s, partitions[s][index - first]
+        first += count
+    raise IndexError(index)
+
+
+def local_ties(partitions: Sequence[nn.Sequential], balance: Sequence[int], tied: Sequence[Sequence[str]]) -> list[Tie]:
+    """The ties of a pipeline in one process, their copies made equal to the first member."""
+    ties = []
+    for members in names(tied):
+        tie = Tie(members, [layer_at(partitions, balance, i)[1].get_parameter(path) for i, path in members])
+        tie.sync_values()
+        ties.append(tie)
+    return ties
