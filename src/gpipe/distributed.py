@@ -11,8 +11,9 @@ in the order the producing rank sends (read off the schedule), and leaves what a
 mailbox the actions read from. Communication therefore overlaps compute.
 
 The wire format of a message: an 8-byte header (0 when the message's layout — dtypes, shapes, the
-values that are not tensors, which values need a gradient — is the one the channel last carried,
-else the length of the new layout), the layout if it changed (pickled), then every tensor's bytes.
+values that are not tensors, which values need a gradient, the micro-batch's structure (its pytree
+spec) — is the one the channel last carried, else the length of the new layout), the layout if it
+changed (pickled), then every tensor's bytes.
 Layouts are thus exchanged once and cached per channel, and renegotiated when the input shape
 changes. Any dtype travels, as raw bytes.
 
@@ -55,10 +56,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from gpipe.executor import LocalExecutor, StepRun, _AbortedError, _Mailbox
 from gpipe.memory import ActivationMeter
-from gpipe.microbatch import Batch
+from gpipe.microbatch import Batch, _flat_spec, _is_flat_spec
 from gpipe.schedule.ir import ActionKind, Schedule
 from gpipe.stage import Stage, StepContext
 
@@ -383,10 +385,21 @@ def _layout(value: Batch | tuple[Tensor | None, ...]) -> tuple[bytes, list[Tenso
             tensors.append(v)
         else:
             items.append(("v", v))
-    atomic, skips, flags = (
-        (value.atomic, value.skips, value.needs_grad) if isinstance(value, Batch) else (None, (), None)
-    )
-    return pickle.dumps((atomic, skips, flags, items)), tensors
+    if not isinstance(value, Batch):
+        return pickle.dumps((False, None, (), None, items)), tensors
+    # The structure travels as a TreeSpec (its node types pickle by reference, as the receiver has
+    # the same code); a plain tuple of leaves as its length, the cheap common case.
+    spec = value.spec
+    structure = None if spec is None else spec.num_leaves if _is_flat_spec(spec) else spec
+    try:
+        return pickle.dumps((True, structure, value.skips, value.needs_grad, items)), tensors
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"cannot send a micro-batch between ranks: its structure "
+            f"({'a tensor' if spec is None else pytree.treespec_pprint(spec)}) or one of its values that "
+            f"is not a tensor ({', '.join(type(v[1]).__name__ for v in items if v[0] == 'v') or 'none'}) "
+            f"does not pickle ({e}); define their classes at module level"
+        ) from e
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -427,7 +440,7 @@ class _Channel:
             self.received_layout = raw.cpu().numpy().tobytes()
         if self.received_layout is None:
             raise RuntimeError(f"{self}: first message carried no layout")
-        atomic, skips, flags, items = pickle.loads(self.received_layout)
+        batch, structure, skips, flags, items = pickle.loads(self.received_layout)
         values: list[Any] = []
         for item in items:
             if item[0] == "v":
@@ -438,7 +451,10 @@ class _Channel:
             if t.numel():
                 dist.recv(_as_bytes(t), self.src, group=self.group)
             values.append(t)
-        return tuple(values) if atomic is None else Batch(tuple(values), atomic, skips, flags)
+        if not batch:
+            return tuple(values)
+        spec = _flat_spec(structure) if isinstance(structure, int) else structure
+        return Batch(tuple(values), spec, skips, flags)
 
 
 class _RoutedMailbox(_Mailbox):

@@ -182,7 +182,7 @@ class _InPlace:
         versions = tuple(v._version if isinstance(v, Tensor) else 0 for v in state.values)
         if cloned:
             values = tuple(_clone(v) if i in cloned else v for i, v in enumerate(state.values))
-            state = Batch(values, state.atomic, state.skips, state.needs_grad)
+            state = Batch(values, state.spec, state.skips, state.needs_grad)
         return state, versions
 
     def check(self, entry: int, training: bool, given: Batch, fed: Batch, token: Any, where: Callable[[], str]) -> None:
@@ -334,7 +334,7 @@ class Stage:
                 return self._run(m, batch, ctx), None
         flags = batch.grad_flags()
         leaves = tuple(self._input_leaf(v, f) if isinstance(v, Tensor) else v for v, f in zip(batch.values, flags))
-        inputs = Batch(leaves, batch.atomic, batch.skips, flags)
+        inputs = Batch(leaves, batch.spec, batch.skips, flags)
         key = (flags, ctx.training)
         if m < ctx.checkpoint_stop:
             flows = self._flows.get(key)
