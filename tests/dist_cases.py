@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
 from gpipe.distributed import init_from_env
@@ -445,3 +447,106 @@ def save_with_full_disk_on(directory: str, rank: int) -> dict[str, Any]:
     step = load_checkpoint(pipe, directory)
     after = layer_state(pipe)
     return {"error": error, "step": step, "restored": all(torch.equal(after[k], v) for k, v in before.items())}
+
+
+# Pytrees: a dict enters the pipeline and travels between ranks, a registered dataclass leaves it.
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What the last layer of the pytree model returns (registered with pytree below)."""
+
+    logits: torch.Tensor
+    mask: torch.Tensor
+
+
+pytree.register_dataclass(Prediction)
+
+
+class DictIn(nn.Module):
+    """{"x", "mask"} -> {"h", "aux": (mask, 2)}: the structure the next layers (and ranks) receive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {"h": torch.tanh(self.lin(batch["x"])) * batch["mask"], "aux": (batch["mask"], 2)}
+
+
+class DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, state: dict[str, Any]) -> dict[str, Any]:
+        mask, scale = state["aux"]
+        return {"h": torch.tanh(self.lin(state["h"])) * mask, "aux": (mask, scale)}
+
+
+class DictHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, state: dict[str, Any]) -> Prediction:
+        mask, scale = state["aux"]
+        return Prediction(self.lin(state["h"]) * scale, mask)
+
+
+def dict_model(blocks: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(DictIn(), *(DictBlock() for _ in range(blocks)), DictHead())
+
+
+def dict_data() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A mini-batch of 8 as a dict (some rows masked out) and its target, a dict too."""
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(8) % 3 != 0).float().unsqueeze(1)
+    return {"x": torch.randn(8, 6, generator=g), "mask": mask}, {"y": torch.randn(8, 6, generator=g)}
+
+
+def dict_loss(output: Prediction, target: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((output.logits - target["y"]) ** 2 * output.mask).mean()
+
+
+def dict_step(schedule: str, chunks: int, workers: int | None = None) -> dict[str, Any]:
+    """One step of the dict model on this rank's stages (``workers``: in one process): loss,
+    gradients, the evaluation's output."""
+    k = workers or int(os.environ["WORLD_SIZE"])
+    model = dict_model()
+    pipe = Pipeline(model, even(len(model), k), chunks=chunks, schedule=schedule, loss_fn=dict_loss, cpu_threads=1)
+    x, y = dict_data()
+    loss = pipe.step(x, y)
+    out = pipe(x)
+    return {"loss": loss, "grads": grads_of(pipe), "eval": None if out is None else dataclasses.asdict(out)}
+
+
+def gpt2_steps(steps: int = 3, world: int | None = None) -> dict[str, Any]:
+    """A Hugging Face GPT-2, traced into layers by the pipeline itself, trained a few steps with
+    Adam: the losses, and the tied embedding / LM head as this rank holds them (one process:
+    ``world`` workers on the CPU)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=4, vocab_size=97, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    ids, target = torch.randint(1, 97, (8, 12), generator=g), torch.randint(1, 97, (8, 12), generator=g)
+
+    def loss_fn(output: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.logits.flatten(0, 1), y.flatten())
+
+    local = {} if world is None else {"devices": ["cpu"] * world, "cpu_threads": 1}
+    pipe = Pipeline(model, [3, 3], chunks=4, loss_fn=loss_fn, schedule="1f1b", sample=ids, **local)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    torch.manual_seed(7)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(ids, target))
+        optimizer.step()
+    held = {n.split(".", 3)[3]: p.detach().clone() for n, p in pipe.named_parameters()}
+    return {"losses": losses, "tied": {n: held[n] for n in ("transformer.wte.weight", "lm_head.weight") if n in held}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -37,9 +38,11 @@ def test_constructor_rejects(kwargs: dict[str, Any], error: type[Exception], mat
         GPipe(four(), **kwargs)
 
 
-def test_module_must_be_sequential() -> None:
-    with pytest.raises(TypeError, match=r"nn.Sequential.*\(module: Linear\)"):
-        GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+def test_module_must_be_sequential_or_traced_on_a_sample() -> None:
+    with pytest.raises(ValueError, match=r"Linear is not an nn.Sequential: pass sample="):
+        GPipe(nn.Linear(2, 2), [1])
+    with pytest.raises(TypeError, match=r"nn.Sequential.*\(module: str\)"):
+        GPipe("layers", [1])  # type: ignore[arg-type]
 
 
 def test_same_module_in_two_partitions() -> None:
@@ -54,19 +57,24 @@ def test_same_module_twice_in_one_partition_is_allowed() -> None:
     assert len(gp) == 3
 
 
-def test_same_parameter_in_two_partitions() -> None:
+def test_same_parameter_in_two_partitions_is_tied() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
-    with pytest.raises(
-        ValueError, match=r"same parameter is in partitions 0 and 1 \(parameter 0.weight and parameter 1.weight\)"
-    ):
-        GPipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+    plain = copy.deepcopy(nn.Sequential(a, b))
+    gp = GPipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+    first, second = gp[0].weight, gp[1].weight
+    assert first is not second  # a copy on each partition, with the shared gradient
+    x = torch.randn(4, 2)
+    gp(x).sum().backward()
+    plain(x).sum().backward()
+    assert torch.equal(first.grad, second.grad)
+    torch.testing.assert_close(first.grad, plain[0].weight.grad)
 
 
 @pytest.mark.parametrize(
     ("inputs", "error", "match"),
     [
-        ([torch.zeros(4, 2)], TypeError, "got list"),
+        ([1, 2], TypeError, r"got list of \(int, int\)"),
         (None, TypeError, "got NoneType"),
         (("not", "tensors"), TypeError, "at least one tensor"),
         (torch.zeros(0, 2), ValueError, "empty batch"),
@@ -78,14 +86,19 @@ def test_forward_rejects(inputs: Any, error: type[Exception], match: str) -> Non
         gp(inputs)
 
 
-def test_layer_returning_a_non_tensor() -> None:
-    class Bad(nn.Module):
-        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-            return [x]
+def test_layer_returning_a_list_gathers_a_list() -> None:
+    """Any pytree may leave a layer (a list here), and comes back gathered in that structure."""
 
-    gp = GPipe(nn.Sequential(nn.Linear(2, 2), Bad()), [1, 1], devices=["cpu", "cpu"], chunks=2)
-    with pytest.raises(TypeError, match="must return a tensor or a tuple of values, not list"):
-        gp(torch.zeros(4, 2))
+    class Listed(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            return [x, x + 1]
+
+    gp = GPipe(nn.Sequential(nn.Linear(2, 2), Listed()), [1, 1], devices=["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, 2)
+    out = gp(x)
+    assert isinstance(out, list) and len(out) == 2
+    torch.testing.assert_close(out[1], out[0] + 1)
+    torch.testing.assert_close(out[0], gp.partitions[0](x))
 
 
 def test_moving_is_refused_but_dtype_casts_are_not() -> None:

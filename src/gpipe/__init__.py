@@ -1,7 +1,8 @@
 """gpipe: GPipe pipeline-parallel training on PyTorch.
 
-The front end :class:`GPipe` wraps an ``nn.Sequential``; the engine beneath it is built around the
-schedule IR in :mod:`gpipe.schedule`.
+The front ends :class:`GPipe` and :class:`Pipeline` take an ``nn.Sequential`` or any module
+(traced into layers by :func:`to_sequential`); the engine beneath them is built around the schedule
+IR in :mod:`gpipe.schedule`.
 """
 
 from gpipe.batchnorm import DeferredBatchNorm
@@ -11,6 +12,7 @@ from gpipe.pipeline import Pipeline
 from gpipe.saving import load as load_checkpoint
 from gpipe.saving import save as save_checkpoint
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
+from gpipe.sequential import ToSequentialError, to_sequential
 from gpipe.trace import StepTrace
 
 __all__ = [
@@ -21,12 +23,14 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "StepTrace",
+    "ToSequentialError",
     "is_checkpointing",
     "is_recomputing",
     "load_checkpoint",
     "make_schedule",
     "save_checkpoint",
     "simulate",
+    "to_sequential",
 ]
 
 __version__ = "0.1.0"

@@ -18,11 +18,13 @@ from torch import Tensor, nn
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.executor import LocalExecutor, StepRun
-from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import as_balance, auto_balance, check_chunks, partition
+from gpipe.microbatch import Batch, concat, flatten, gather, scatter
+from gpipe.partition import as_balance, auto_balance, check_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule import Schedule, make_schedule
+from gpipe.sequential import as_layers
 from gpipe.stage import Grads, StepContext, stages_of
+from gpipe.tied import Tie, local_ties, with_shared
 
 __all__ = ["GPipe", "MovingPartitionError"]
 
@@ -80,15 +82,18 @@ class GPipe(nn.Module):
         super().__init__()
         self.checkpoint = check_mode(checkpoint)
         self.chunks = check_chunks(chunks)
+        module = as_layers(module, sample)
         balance = as_balance(balance)  # (a NumPy array of counts: a list)
         if balance == "auto":
             if devices is None:
                 raise ValueError("balance='auto' needs devices=[...]: one device per partition to balance over")
             balance = auto_balance(module, len(devices), sample, self.chunks)
+        tied = with_shared(module, check_balance(module, balance), ())
         self.balance, self.devices, partitions = partition(
-            module, balance, devices, deferred_batch_norm=deferred_batch_norm
+            module, balance, devices, deferred_batch_norm=deferred_batch_norm, tied=tied
         )
         self.partitions = nn.ModuleList(partitions)
+        self._ties = local_ties(partitions, self.balance, tied)
         self._executor = LocalExecutor(
             stages_of(list(self.partitions), self.devices),  # type: ignore[arg-type]
             cpu_threads=cpu_threads,
@@ -120,10 +125,13 @@ class GPipe(nn.Module):
         return super().to(*args, **kwargs)
 
     def forward(self, input: Any) -> Any:
-        """Run the mini-batch ``input`` (a tensor or a tuple) through the pipeline."""
+        """Run the mini-batch ``input`` through the pipeline: a tensor or any pytree (a tuple, a
+        dict, ...; see :mod:`gpipe.microbatch`), whose tensors are split along dim 0. Returns the
+        gathered output, with the structure the last layer gives; gradients reach every tensor of
+        ``input`` that requires grad."""
         batches = scatter(input, self.chunks)
         schedule = _fill_drain(len(self.partitions), len(batches))
-        inputs = (input,) if isinstance(input, Tensor) else tuple(input)
+        inputs, _ = flatten(input)
         needs_grad = [isinstance(v, Tensor) and v.requires_grad for v in inputs]
         with torch.set_grad_enabled(
             torch.is_grad_enabled() and (any(needs_grad) or any(p.requires_grad for p in self.parameters()))
@@ -138,6 +146,7 @@ class GPipe(nn.Module):
         if not ctx.grad_enabled:
             return gather(outputs)
         backprop = _Backprop(self._executor, schedule, run, outputs, inputs, needs_grad)
+        backprop.ties = self._ties
         phony = torch.empty(0, requires_grad=True)  # makes autograd call the backward half
         tensors = _PipelineBackward.apply(backprop, phony, *backprop.grad_inputs)  # type: ignore[no-untyped-call]
         return backprop.assemble(tensors)
@@ -151,6 +160,8 @@ _MOVE_HINT = (
 
 class _Backprop:
     """The bridge between autograd and the backward half of a step."""
+
+    ties: Sequence[Tie] = ()
 
     def __init__(
         self,
@@ -166,17 +177,19 @@ class _Backprop:
         self.grad_positions = [i for i, n in enumerate(needs_grad) if n]
         self.grad_inputs = [inputs[i] for i in self.grad_positions]
         self.tensor_positions = [i for i, v in enumerate(outputs[0].values) if isinstance(v, Tensor)]
+        self.whole: Batch | None = None  # the gathered output, flat (by the autograd node's forward)
 
     def gathered(self) -> tuple[Tensor, ...]:
-        out = gather(self.outputs)
-        values = (out,) if self.outputs[0].atomic else out
-        return tuple(values[i] for i in self.tensor_positions)
+        self.whole = concat(self.outputs)
+        return tuple(self.whole.values[i] for i in self.tensor_positions)
 
     def assemble(self, tensors: tuple[Tensor, ...]) -> Any:
-        values = list(self.outputs[0].values)
+        """The output's structure, with the tensors autograd's node returned in place of its leaves."""
+        assert self.whole is not None, "assemble before gathered"
+        values = list(self.whole.values)
         for i, t in zip(self.tensor_positions, tensors):
             values[i] = t
-        return values[0] if self.outputs[0].atomic else tuple(values)
+        return Batch(tuple(values), self.whole.spec).value
 
     def backward(self, grads: tuple[Tensor, ...]) -> list[Tensor | None]:
         per_mb: list[list[Tensor | None]] = [[None] * len(b) for b in self.outputs]
@@ -188,15 +201,20 @@ class _Backprop:
         mb_grads: list[Grads] = [tuple(g) for g in per_mb]
         inline = any(s.device.type == "cuda" for s in self.executor.stages.values())
         input_grads = self.executor.backward(self.schedule, self.run, mb_grads, inline=inline)
+        for tie in self.ties:  # (every stage's backward is done)
+            tie.sync_grads()
         result: list[Tensor | None] = []
         for i in self.grad_positions:
             grads_i = [g[i] for g in input_grads]
             if all(p is None for p in grads_i):
                 result.append(None)
                 continue
-            chunks = self.inputs[i].chunk(len(grads_i))
-            filled = [torch.zeros_like(c) if p is None else p for p, c in zip(grads_i, chunks)]
-            result.append(torch.cat(filled).to(self.inputs[i].device))
+            whole = self.inputs[i]
+            if whole.dim() == 0:  # handed whole to every micro-batch: its gradient is their sum
+                result.append(sum((p.to(whole.device) for p in grads_i if p is not None), torch.zeros_like(whole)))
+                continue
+            filled = [torch.zeros_like(c) if p is None else p for p, c in zip(grads_i, whole.chunk(len(grads_i)))]
+            result.append(torch.cat(filled).to(whole.device))
         return result
 
 

@@ -158,24 +158,46 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def materialize(layer: nn.Module, index: int, device: torch.device, init_seed: int) -> nn.Module:
-    """Give a layer built on the meta device real storage on ``device`` and initialize it with its
-    ``reset_parameters`` methods, seeded by its global index."""
+def init_of(layer: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> Callable[[nn.Module], None] | None:
+    """How a layer built on the meta device is initialized: ``init_fn``, else the initialization
+    the layer brings (:func:`gpipe.to_sequential` gives a Hugging Face model's layers its
+    ``_init_weights``), else None: each module's ``reset_parameters``."""
+    if init_fn is not None:
+        return init_fn
+    brought = layer.__dict__.get("gpipe_init")
+    return getattr(brought, "value", None)
+
+
+def materialize(
+    layer: nn.Module,
+    index: int,
+    device: torch.device,
+    init_seed: int,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Give a layer built on the meta device real storage on ``device`` and initialize it, seeded
+    by its global index: with ``init_fn(layer)`` (see :func:`init_of`), or with its modules'
+    ``reset_parameters`` methods."""
+    init = init_of(layer, init_fn)
     unresettable = [
         type(m).__name__
         for m in layer.modules()
         if _reset_of(m) is None and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
     ]
-    if unresettable:
+    if unresettable and init is None:
         raise TypeError(
             f"layer {index} was built on the meta device, but {sorted(set(unresettable))} has no "
-            "reset_parameters() to initialize it; give a list of layer factories instead"
+            "reset_parameters() to initialize it; pass init_fn=<a function initializing a layer in place>, "
+            "or give a list of layer factories instead"
         )
 
     def reset() -> nn.Module:
         # Like Module.to_empty, but with torch.empty_strided: empty_like from the meta device
         # touches the new memory, which doubles the peak of a stage being materialized.
         layer._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))  # type: ignore[no-untyped-call]
+        if init is not None:
+            _initialized_by(init, layer, index)
+            return layer
         for m in _post_order(layer):  # children first, as their constructors ran before their parents'
             reset = _reset_of(m)
             if reset is not None:
@@ -185,8 +207,28 @@ def materialize(layer: nn.Module, index: int, device: torch.device, init_seed: i
     return _initialized(index, init_seed, device, reset)
 
 
+def _initialized_by(init: Callable[[nn.Module], None], layer: nn.Module, index: int) -> None:
+    """Run ``init(layer)`` on fresh storage, and fail naming what it left unwritten (filled with
+    NaN first: uninitialized memory must not train silently)."""
+    floats = {n: t for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_floating_point()}
+    with torch.no_grad():
+        for t in floats.values():
+            t.fill_(float("nan"))
+    init(layer)
+    left = [n for n, t in floats.items() if bool(torch.isnan(t).any())]
+    if left:
+        raise TypeError(
+            f"layer {index} was materialized from the meta device, but its initialization left {left} unwritten; "
+            "initialize them in init_fn=<a function initializing a layer in place>"
+        )
+
+
 def _build(
-    module: Layers, balance: Sequence[int], stage_devices: Sequence[torch.device], init_seed: int
+    module: Layers,
+    balance: Sequence[int],
+    stage_devices: Sequence[torch.device],
+    init_seed: int,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Sequential:
     """The model with every layer on a real device built (from its factory) or materialized (from
     the meta device), seeded by its index; layers of stages on the meta device are left there."""
@@ -194,7 +236,7 @@ def _build(
     if isinstance(module, nn.Sequential):
         for i, (name, layer) in enumerate(list(module._modules.items())):
             if layer is not None and device_of[i].type != "meta" and _is_meta(layer):
-                module._modules[name] = materialize(layer, i, device_of[i], init_seed)
+                module._modules[name] = materialize(layer, i, device_of[i], init_seed, init_fn)
         return module
     layers: list[nn.Module] = []
     for i, factory in enumerate(module):
@@ -217,6 +259,7 @@ def partition(
     deferred_batch_norm: bool = False,
     init_seed: int = 0,
     tied: Sequence[Sequence[str]] = (),
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> tuple[list[int], list[torch.device], list[nn.Sequential]]:
     """Check and cut ``module`` into ``len(balance)`` stages over ``len(balance) // virtual`` devices
     (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages.
@@ -238,7 +281,7 @@ def partition(
         )
     workers = resolve_devices(devices, len(balance) // virtual)
     stage_devices = [workers[s % len(workers)] for s in range(len(balance))]
-    model = _build(module, balance, stage_devices, init_seed)
+    model = _build(module, balance, stage_devices, init_seed, init_fn)
     if isinstance(module, nn.Sequential) or all(d.type != "meta" for d in stage_devices):
         check_skips(list(model))  # (layers built elsewhere, from factories, are not here to check)
     factories = not isinstance(module, nn.Sequential)

@@ -12,6 +12,11 @@ stage, and leaves the gradients of the mini-batch's mean loss in the parameters 
 
 ``pipe(inputs)`` (``forward``) runs the forwards only, without autograd, for evaluation.
 
+Inputs, targets and what layers hand on may be any pytree — a tensor, a tuple, a dict such as a
+tokenizer's output, a dataclass, a ``ModelOutput`` (see :mod:`gpipe.microbatch`): their tensors are
+split along dim 0 into micro-batches, and every layer and ``loss_fn(output, target)`` receives the
+micro-batch in the same structure.
+
 The same script runs in one process (stages on the local devices, one worker thread each) or under
 ``torchrun --nproc-per-node K`` (one process per pipeline worker, over torch.distributed: gloo on CPU,
 NCCL on GPUs; see :mod:`gpipe.distributed`). Under torchrun each rank holds only its own stages (the
@@ -37,12 +42,13 @@ from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import DistributedExecutor, collective, init_from_env, start_heartbeat
 from gpipe.executor import LocalExecutor
 from gpipe.microbatch import Batch, gather, scatter
-from gpipe.partition import Layers, as_balance, auto_balance, check_chunks, partition
+from gpipe.partition import Layers, as_balance, auto_balance, check_balance, check_chunks, partition
 from gpipe.rng import step_seed
 from gpipe.schedule.generate import SCHEDULES, make_schedule
 from gpipe.schedule.ir import ActionKind, Schedule
+from gpipe.sequential import as_layers
 from gpipe.stage import LossFn, Stage, StepContext, stages_of
-from gpipe.tied import Tie
+from gpipe.tied import Tie, layer_at, local_ties, with_shared
 from gpipe.tied import names as untie_names
 from gpipe.trace import StepTrace
 
@@ -57,6 +63,8 @@ class Pipeline(nn.Module):
             each process then materializes only its own stages' layers), or a list of layer
             factories (each process builds only its own layers). Either way those layers are
             initialized seeded by their global index, so the initial weights do not depend on K.
+            Any other module is traced into layers on ``sample`` (:func:`gpipe.to_sequential`:
+            one per repeated block, plus the code before and after).
         balance: the number of layers of each stage; with ``virtual`` stages per device, stage ``s``
             runs on device ``s mod K`` where K = len(balance) / virtual. Or ``'auto'``: time each
             layer on ``sample`` and split exactly into K x virtual stages (K: the devices, or the
@@ -88,6 +96,16 @@ class Pipeline(nn.Module):
             pipeline (world = data_parallel x K, on a 2-D DeviceMesh ("dp", "pp")). Every rank
             passes the global mini-batch to ``step``; each replica trains on its share, and each
             stage's gradients are all-reduced over its replicas once per step.
+        init_seed: the seed layers built here (factories, the meta device) are initialized from.
+        sample: a mini-batch of inputs: to trace a module that is not an ``nn.Sequential``, and
+            to time the layers for ``balance='auto'``.
+        tied: parameters that are one in the model but held by layers on different stages, as
+            groups of '<layer index>.<parameter name>'; each stage keeps a copy and the copies'
+            gradients are summed. Parameters that several layers hold as one object (a traced
+            GPT-2's token embedding and LM head) are tied without being named.
+        init_fn: ``init_fn(layer)`` initializes a layer materialized from the meta device in
+            place (default: the layer's own, e.g. a traced Hugging Face model's ``_init_weights``,
+            else each module's ``reset_parameters``).
     """
 
     def __init__(
@@ -110,8 +128,10 @@ class Pipeline(nn.Module):
         sample: Any = None,
         tied: Sequence[Sequence[str]] = (),
         loss_count: Callable[[Any], int | Tensor] | None = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
+        module = as_layers(module, sample)
         balance = as_balance(balance)  # (a NumPy array of counts: a list)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -122,6 +142,7 @@ class Pipeline(nn.Module):
                 f"loss_count must be callable as loss_count(target) -> number of items (loss_count: {loss_count!r})"
             )
         self.loss_count = loss_count
+        self._init_fn = init_fn
         self.schedule = schedule
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
@@ -149,6 +170,7 @@ class Pipeline(nn.Module):
                 if devices is None:
                     raise ValueError("balance='auto' needs devices=[...]: one device per worker to balance over")
                 balance = auto_balance(module, len(devices) * virtual, sample, self.chunks)
+            tied = with_shared(module, check_balance(module, balance), tied)
             self.balance, self.devices, partitions = partition(
                 module,
                 balance,
@@ -157,8 +179,9 @@ class Pipeline(nn.Module):
                 deferred_batch_norm=deferred_batch_norm,
                 init_seed=init_seed,
                 tied=tied,
+                init_fn=init_fn,
             )
-            self._ties = self._local_ties(partitions, tied)
+            self._ties = local_ties(partitions, self.balance, tied)
             self.partitions = nn.ModuleDict({str(s): p for s, p in enumerate(partitions)})
             stage_devices = [self.devices[s % len(self.devices)] for s in range(len(partitions))]
             stages = stages_of(partitions, stage_devices, loss_fn)
@@ -208,6 +231,7 @@ class Pipeline(nn.Module):
         replicas = mesh.mesh.tolist()
         k = len(replicas[0])
         workers = [device if w == rank else torch.device("meta") for w in range(k)]
+        tied = with_shared(module, check_balance(module, balance), tied)
         self.balance, _, partitions = partition(
             module,
             balance,
@@ -216,6 +240,7 @@ class Pipeline(nn.Module):
             deferred_batch_norm=deferred_batch_norm,
             init_seed=init_seed,
             tied=tied,
+            init_fn=self._init_fn,
         )
         if len(partitions) != k * self.virtual:
             raise ValueError(
@@ -237,21 +262,7 @@ class Pipeline(nn.Module):
         self._ties = self._distributed_ties(partitions, tied, replicas, mine)
 
     def _layer(self, partitions: Sequence[nn.Sequential], index: int) -> tuple[int, nn.Module]:
-        """The stage holding global layer ``index``, and the layer."""
-        first = 0
-        for s, count in enumerate(self.balance):
-            if index < first + count:
-                return s, partitions[s][index - first]
-            first += count
-        raise IndexError(index)
-
-    def _local_ties(self, partitions: Sequence[nn.Sequential], tied: Sequence[Sequence[str]]) -> list[Tie]:
-        ties = []
-        for members in untie_names(tied):
-            tie = Tie(members, [self._layer(partitions, i)[1].get_parameter(path) for i, path in members])
-            tie.sync_values()
-            ties.append(tie)
-        return ties
+        return layer_at(partitions, self.balance, index)
 
     def _distributed_ties(
         self,
@@ -359,7 +370,8 @@ class Pipeline(nn.Module):
 
     def step(self, inputs: Any, target: Any) -> Tensor:
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
-        accumulated into the parameters' ``.grad``."""
+        accumulated into the parameters' ``.grad``. ``inputs`` and ``target`` are pytrees (a tensor,
+        a tuple, a dict, ...) whose tensors have the same size in dim 0."""
         if target is None:
             raise TypeError(
                 "Pipeline.step(inputs, target) needs the target that loss_fn compares the output with "
@@ -434,4 +446,6 @@ def _tie_name(tie: Tie) -> str:
 
 
 def _size(batch: Batch) -> int:
-    return next(batch.tensors()).size(0)
+    """A micro-batch's number of samples: the batch dimension of its tensors (scatter checked they
+    agree; 0-dimensional ones have none)."""
+    return next(t.size(0) for t in batch.tensors() if t.dim())

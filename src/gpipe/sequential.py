@@ -42,14 +42,14 @@ stages.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch._export.utils import _check_input_constraints_for_graph
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import (
     ConstantArgument,
@@ -134,34 +134,100 @@ def _as_dicts(value: Any) -> Any:
     return value
 
 
+Shape = tuple[int | tuple[str, int, int | None] | None, ...]
+"""Per dimension of a traced input tensor: its size, or (symbol, lowest, highest) where it is
+dynamic, or None where it is an expression of symbols (not checked)."""
+
+
+def _shape_of(node: fx.Node, ranges: Mapping[Any, Any]) -> Shape:
+    dims: list[int | tuple[str, int, int | None] | None] = []
+    for d in node.meta["val"].shape:
+        if isinstance(d, int):
+            dims.append(d)
+            continue
+        expr = d.node.expr
+        if not expr.is_symbol:
+            dims.append(None)
+            continue
+        bounds = ranges.get(expr)
+        lower = _bound(bounds.lower) if bounds is not None else None
+        upper = _bound(bounds.upper) if bounds is not None else None
+        dims.append((str(expr), lower or 0, upper))
+    return tuple(dims)
+
+
+def _bound(value: Any) -> int | None:
+    """A range bound as an int, None where it is infinite."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
 class _Inputs(nn.Module):
     """The first layer's entry: the packed input flattened to the traced inputs, checked against
-    the structure, constants and shapes the module was traced with (a layer cut from a trace must
-    not run silently on what the trace does not cover)."""
+    the structure, non-tensor values and shapes the module was traced with (a layer cut from a
+    trace must not run silently on what the trace does not cover)."""
 
-    def __init__(self, spec: pytree.TreeSpec, constants: dict[int, Any], placeholders: list[fx.Node], ranges: Any):
+    def __init__(self, spec: pytree.TreeSpec, constants: dict[int, Any], shapes: dict[int, Shape]) -> None:
         super().__init__()
-        self.spec, self.constants, self.placeholders, self.ranges = spec, constants, placeholders, ranges
+        self._spec, self.constants, self.shapes = _Shared(spec), constants, shapes
+
+    @property
+    def spec(self) -> pytree.TreeSpec:
+        spec: pytree.TreeSpec = self._spec.value
+        return spec
 
     def forward(self, inputs: Any) -> list[Any]:
-        with_paths, spec = pytree.tree_flatten_with_path(_as_dicts(inputs))
+        leaves, spec = pytree.tree_flatten(_as_dicts(inputs))
         if spec != self.spec:
             raise TypeError(
                 f"the first layer takes inputs structured as the example it was traced with: {self.spec}, got {spec}"
             )
-        leaves = [leaf for _, leaf in with_paths]
         for i, value in self.constants.items():
             if leaves[i] is not value and leaves[i] != value:
                 raise ValueError(
                     f"input {i} of the first layer is {leaves[i]!r}, but the module was traced with {value!r} "
                     "(non-tensor inputs are fixed at tracing); trace it again with this value"
                 )
-        tensors = [item for i, item in enumerate(with_paths) if i not in self.constants]
-        try:
-            _check_input_constraints_for_graph(self.placeholders, tensors, self.ranges)
-        except RuntimeError as e:
-            raise ValueError(f"the first layer's input does not fit the shapes the module was traced with: {e}") from e
+        sizes: dict[str, int] = {}
+        for i, shape in self.shapes.items():
+            if self._fits(leaves[i], shape, sizes):
+                continue
+            raise ValueError(
+                f"input {i} of the first layer has shape {tuple(leaves[i].shape)}, which the trace does not cover "
+                f"({self._describe(shape)}; sizes named alike must agree); trace the module with such an example"
+            )
         return leaves
+
+    @staticmethod
+    def _fits(t: Any, shape: Shape, sizes: dict[str, int]) -> bool:
+        if not isinstance(t, Tensor) or t.dim() != len(shape):
+            return False
+        for size, dim in zip(t.shape, shape):
+            if isinstance(dim, int):
+                if size != dim:
+                    return False
+            elif dim is not None:
+                name, lower, upper = dim
+                # Export assumes a dynamic size is not 0 or 1 when it traces; sizes 1 run as well.
+                if size < min(lower, 1) or (upper is not None and size > upper) or sizes.setdefault(name, size) != size:
+                    return False
+        return True
+
+    @staticmethod
+    def _describe(shape: Shape) -> str:
+        return "[" + ", ".join("?" if d is None else str(d) if isinstance(d, int) else d[0] for d in shape) + "]"
+
+
+class _Shared:
+    """An immutable value a copied layer shares with the original (a TreeSpec: copying one warns)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
 
 
 class _Outputs(nn.Module):
@@ -169,10 +235,10 @@ class _Outputs(nn.Module):
 
     def __init__(self, spec: pytree.TreeSpec) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec = _Shared(spec)
 
     def forward(self, leaves: Sequence[Any]) -> Any:
-        return pytree.tree_unflatten(list(leaves), self.spec)
+        return pytree.tree_unflatten(list(leaves), self.spec.value)
 
 
 class _Dropout(_DropoutNd):
@@ -212,6 +278,45 @@ def _call_key(node: fx.Node, paths: set[str]) -> tuple[str, str] | None:
 def _innermost(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else None
+
+
+def _replace_device(value: Any, device: torch.device, make: Callable[[], Any]) -> Any:
+    """``value`` (a node's args or kwargs) with every ``device`` in it replaced by ``make()``."""
+    if isinstance(value, torch.device):
+        return make() if value == device else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_device(v, device, make) for v in value)
+    if isinstance(value, dict):
+        return {k: _replace_device(v, device, make) for k, v in value.items()}
+    return value
+
+
+def _placed_graph(graph_module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """A copy of a higher-order operator's graph (a ``no_grad`` region, say) whose tensors go to
+    the device of its first tensor argument rather than the trace's, without the traced device
+    assertions."""
+    gm = copy.deepcopy(graph_module)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tensors = [n for n in placeholders if isinstance(n.meta.get("val"), Tensor)] or placeholders
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+            graph.erase_node(node)
+        elif node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), fx.GraphModule):
+            setattr(gm, str(node.target), _placed_graph(getattr(gm, str(node.target)), device))
+
+    def device_of_input() -> fx.Node:
+        if not tensors:
+            raise ToSequentialError("a traced region creates tensors on the trace's device but takes no tensor")
+        with graph.inserting_after(placeholders[-1]):
+            return graph.call_function(getattr, (tensors[0], "device"))
+
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            node.args = _replace_device(node.args, device, device_of_input)
+            node.kwargs = _replace_device(node.kwargs, device, device_of_input)
+    gm.recompile()
+    return gm
 
 
 class _Coarse:
@@ -261,15 +366,13 @@ class _Coarse:
         return fx.node.map_arg(a, lambda n: self._fetch(n.name))
 
     def _device(self) -> fx.Node:
-        self.attrs.setdefault("_gpipe_device", torch.empty(0, device=self.device))
-        return self.graph.call_function(getattr, (self.graph.get_attr("_gpipe_device"), "device"))
+        if "_gpipe.device" not in self.attrs:
+            self.attrs["_gpipe.device"] = torch.empty(0, device=self.device)
+        return self.graph.call_function(getattr, (self.graph.get_attr("_gpipe.device"), "device"))
 
-    def _kwargs(self, node: fx.Node) -> dict[str, Any]:
-        kwargs = dict(self._arg(node.kwargs))
-        device = kwargs.get("device")
-        if isinstance(device, torch.device) and device == self.device:
-            kwargs["device"] = self._device()
-        return kwargs
+    def _placed(self, value: Any) -> Any:
+        """``value`` (args or kwargs) with the trace's device replaced by the layer's."""
+        return _replace_device(value, self.device, self._device)
 
     # -- building ---------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -288,7 +391,7 @@ class _Coarse:
                 self.input_sources[name] = ("buffer", spec.target)
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 assert spec.target is not None
-                target = f"_gpipe_constant_{len(self.attrs)}"
+                target = f"_gpipe.constant_{len(self.attrs)}"
                 self.attrs[target] = self.ep.constants[spec.target]
                 self.input_sources[name] = ("constant", target)
             elif spec.kind != InputKind.USER_INPUT:
@@ -315,8 +418,8 @@ class _Coarse:
             elif node.op == "call_function":
                 self._emit_glue(node)
             elif node.op == "get_attr":  # the graphs of higher-order operators (no_grad regions, autocast)
-                target = f"_gpipe_{node.target}"
-                self.attrs[target] = getattr(self.ep.graph_module, str(node.target))
+                target = f"_gpipe.{node.target}"
+                self.attrs[target] = _placed_graph(getattr(self.ep.graph_module, str(node.target)), self.device)
                 self.input_sources[node.name] = ("graph", target)
             elif node.op == "output":
                 self._emit_output(node)
@@ -368,12 +471,13 @@ class _Coarse:
                 target = owner
                 self.attrs[target] = owner_module
             else:
-                target = f"_gpipe_dropout_{self._dropouts}"
+                target = f"_gpipe.dropout_{self._dropouts}"
                 self._dropouts += 1
                 self.attrs[target] = _Dropout(node.target, float(node.args[1]))  # type: ignore[arg-type]
             self.env[node.name] = self.graph.call_module(target, (self._arg(node.args[0]),))
             return
-        new = self.graph.call_function(node.target, self._arg(node.args), self._kwargs(node))  # type: ignore[arg-type]
+        args, kwargs = self._placed(self._arg(node.args)), self._placed(self._arg(node.kwargs))
+        new = self.graph.call_function(node.target, args, kwargs)  # type: ignore[arg-type]
         new.meta = dict(node.meta)
         self.env[node.name] = new
 
@@ -472,8 +576,10 @@ def to_sequential(
     without tensors (``use_cache=False``) are settings: fixed at tracing, not part of the input.
     The last layer returns what the module returns (a tensor, a tuple, a ``ModelOutput``).
 
-    ``split_points``: qualified names of the modules each layer starts with, instead of the
-    repeated blocks (:func:`repeated_blocks`). An ``nn.Sequential`` is returned as it is.
+    ``split_points``: qualified names of the modules where layers start, instead of the repeated
+    blocks (:func:`repeated_blocks`): the layers are the code before the first, then from each to
+    the next, the last running to the end. (Modules not named are traced into operators, like the
+    rest of the code between them.) An ``nn.Sequential`` is returned as it is.
     """
     if isinstance(module, nn.Sequential):
         return module
@@ -497,10 +603,12 @@ def to_sequential(
         for name, m in module.named_modules(remove_duplicate=False)
         if isinstance(m, _NormBase) and m.track_running_stats and not name.startswith(inside) and name not in blocks
     ]
-    ep = _export(module, args, kwargs, blocks + norms)
     device = _device_of(module, packed)
+    if device.type == "meta":  # a model built on the meta device traces on meta inputs
+        args, kwargs, packed = pytree.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs, packed))
+    ep = _export(module, args, kwargs, blocks + norms)
     coarse = _Coarse(module, ep, blocks, norms, device)
-    return _cut(module, ep, coarse, args, kwargs, packed)
+    return _cut(module, ep, coarse, args, kwargs, packed, tail=split_points is None)
 
 
 def _input_order(
@@ -522,15 +630,16 @@ def _is_compute(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_module") and node.target is not getattr
 
 
-def _segments(coarse: _Coarse) -> dict[fx.Node, int]:
-    """Each node's layer: a layer starts at every block call; the code before the first block and
-    the code after the last one (its outputs unpacked) are layers of their own, if they compute."""
+def _segments(coarse: _Coarse, tail: bool) -> dict[fx.Node, int]:
+    """Each node's layer: a layer starts at every block call; the code before the first block is
+    a layer of its own, and with ``tail`` the code after the last block (its outputs unpacked) too
+    — if they compute."""
     nodes = [n for n in coarse.graph.nodes if n.op not in ("placeholder", "output")]
     starts = [nodes.index(call) for call in coarse.block_calls]
     last = starts[-1] + 1
     while last < len(nodes) and nodes[last].target in (_flat, operator.getitem) and nodes[last].op == "call_function":
         last += 1
-    bounds = [0, *starts, last]
+    bounds = [0, *starts, last] if tail else [0, *starts]
     segment: dict[fx.Node, int] = {}
     for s in range(len(bounds)):
         end = bounds[s + 1] if s + 1 < len(bounds) else len(nodes)
@@ -553,7 +662,13 @@ def _segments(coarse: _Coarse) -> dict[fx.Node, int]:
 
 
 def _cut(
-    module: nn.Module, ep: ExportedProgram, coarse: _Coarse, args: tuple[Any, ...], kwargs: dict[str, Any], packed: Any
+    module: nn.Module,
+    ep: ExportedProgram,
+    coarse: _Coarse,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    packed: Any,
+    tail: bool,
 ) -> nn.Sequential:
     graph = coarse.graph
     order, settings = _input_order(ep, args, kwargs)
@@ -563,7 +678,7 @@ def _cut(
             user.args = fx.node.map_arg(user.args, lambda n, ph=ph, value=value: value if n is ph else n)  # type: ignore[misc]
             user.kwargs = fx.node.map_arg(user.kwargs, lambda n, ph=ph, value=value: value if n is ph else n)  # type: ignore[misc]
     fx.GraphModule(coarse.attrs, graph).graph.eliminate_dead_code()  # (it needs an owning module)
-    segment = _segments(coarse)
+    segment = _segments(coarse, tail)
     count = max(segment.values()) + 1
     output = next(n for n in graph.nodes if n.op == "output")
     for node in coarse.inputs:
@@ -580,12 +695,8 @@ def _cut(
     leaf_spec = pytree.tree_structure(packed)
     tensor_leaves = [i for i, leaf in enumerate(pytree.tree_leaves(packed)) if isinstance(leaf, Tensor)]
     constants = {i: leaf for i, leaf in enumerate(pytree.tree_leaves(packed)) if not isinstance(leaf, Tensor)}
-    checker = _Inputs(
-        leaf_spec,
-        constants,
-        [_placeholder_of(ep, coarse, order[i]) for i in tensor_leaves],
-        ep.range_constraints,
-    )
+    shapes = {i: _shape_of(_placeholder_of(ep, coarse, order[i]), ep.range_constraints) for i in tensor_leaves}
+    checker = _Inputs(leaf_spec, constants, shapes)
     out_spec = ep.call_spec.out_spec
     assert out_spec is not None
     layers: list[nn.Module] = []
@@ -595,8 +706,8 @@ def _cut(
         entry = g.placeholder("inputs")
         root: dict[str, Any] = {}
         if s == 0:
-            root["_gpipe_inputs"] = checker
-            flat = g.call_module("_gpipe_inputs", (entry,))
+            root["_gpipe.inputs"] = checker
+            flat = g.call_module("_gpipe.inputs", (entry,))
             for j, pos in enumerate(order):
                 env[coarse.inputs[pos]] = g.call_function(operator.getitem, (flat, j))
         else:
@@ -609,13 +720,17 @@ def _cut(
             if node.op in ("get_attr", "call_module"):
                 root[str(node.target)] = coarse.attrs[str(node.target)]
         if s == count - 1:
-            root["_gpipe_outputs"] = _Outputs(out_spec)
+            root["_gpipe.outputs"] = _Outputs(out_spec)
             values = fx.node.map_arg(output.args[0], env.__getitem__)
-            g.output(g.call_module("_gpipe_outputs", (list(values),)))
+            g.output(g.call_module("_gpipe.outputs", (list(values),)))
         else:
             g.output(tuple(env[n] for n in live[s]))
         layer = fx.GraphModule(root, g, class_name=f"Layer{s}")
         _fix_buffers(module, layer, root)
+        _adopt_owners(module, layer, root)
+        init = getattr(module, "_init_weights", None)  # a Hugging Face model's own initialization
+        if callable(init):
+            layer.__dict__["gpipe_init"] = _Shared(_ApplyInit(init))  # (see gpipe.partition.materialize)
         layers.append(layer)
     return nn.Sequential(*layers)
 
@@ -635,7 +750,7 @@ def _fix_buffers(module: nn.Module, layer: nn.Module, root: Mapping[str, Any]) -
             continue
         owner_path, _, name = target.rpartition(".")
         owner = layer.get_submodule(owner_path) if owner_path else layer
-        if target.startswith("_gpipe_"):
+        if target.startswith("_gpipe."):
             owner._non_persistent_buffers_set.add(name)
             continue
         try:
@@ -665,7 +780,14 @@ def unpack(module: nn.Module, sample: Any) -> tuple[tuple[Any, ...], dict[str, A
 def as_layers(module: Any, sample: Any) -> Any:
     """What a front end makes of the model it is given: an ``nn.Sequential`` (or a list of layer
     factories) as it is, any other module traced into layers on ``sample``."""
-    if not isinstance(module, nn.Module) or isinstance(module, nn.Sequential):
+    if isinstance(module, (list, tuple)) and all(callable(f) for f in module):
+        return module  # layer factories
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module must be nn.Sequential, another nn.Module (traced on sample=...) or a list of layer factories "
+            f"(module: {type(module).__name__})"
+        )
+    if isinstance(module, nn.Sequential):
         return module
     if sample is None:
         raise ValueError(
@@ -674,3 +796,43 @@ def as_layers(module: Any, sample: Any) -> Any:
         )
     args, kwargs = unpack(module, sample)
     return to_sequential(module, *args, **kwargs)
+
+
+def _adopt_owners(module: nn.Module, layer: nn.Module, root: Mapping[str, Any]) -> None:
+    """A layer holds the parameters its operators fetch in stand-in modules along their qualified
+    paths; where the original owner is a leaf module all of whose parameters the layer holds
+    (GPT-2's ``transformer.wte``, an ``nn.Embedding``), hold the original instead: the same
+    tensors and names, and the type its initialization looks at (``_init_weights``)."""
+    held: dict[str, set[str]] = {}
+    for target, value in root.items():
+        if isinstance(value, Tensor) and not target.startswith("_gpipe."):
+            owner, _, name = target.rpartition(".")
+            held.setdefault(owner, set()).add(name)
+    for path, names in held.items():
+        if not path:
+            continue
+        try:
+            original = module.get_submodule(path)
+        except AttributeError:
+            continue
+        params = {n for n, _ in original.named_parameters(recurse=False)}
+        buffers = {n for n, _ in original.named_buffers(recurse=False)}
+        # (buffers the layer does not read may come along: a rotary embedding's original_inv_freq)
+        if next(original.children(), None) is not None or not names <= params | buffers or not params <= names:
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = layer.get_submodule(parent_path) if parent_path else layer
+        if type(parent.get_submodule(name)) is nn.Module:  # a stand-in (not a kept module)
+            setattr(parent, name, original)
+
+
+class _ApplyInit:
+    """``layer.apply(init)``: a per-module initialization (Hugging Face's ``_init_weights``) run
+    over one layer, for a layer materialized from the meta device."""
+
+    def __init__(self, init: Callable[[nn.Module], None]) -> None:
+        self.init = init
+
+    def __call__(self, layer: nn.Module) -> None:
+        with torch.no_grad():
+            layer.apply(self.init)

@@ -111,22 +111,31 @@ class Tie:
 
 
 def shared(model: nn.Sequential, balance: Sequence[int]) -> list[list[str]]:
-    """The ties gpipe makes itself: parameters that layers of different stages hold as the same
-    object (a language model's token embedding and its output projection), named as ``tied``
-    names them. Layers given as factories cannot be compared and are not looked at."""
+    """The ties gpipe makes itself: parameters that several layers hold as the same object (a
+    language model's token embedding and its output projection), named as ``tied`` names them.
+
+    Layers on one stage are untied too: each layer then accumulates its own gradient over the
+    micro-batches and the tie adds the layers' sums in one order, so the gradient is bitwise the
+    same whatever the partitioning (one shared tensor would add the layers' micro-batch
+    gradients interleaved). Layers given as factories cannot be compared and are not looked at.
+    """
     if not isinstance(model, nn.Sequential):
         return []
-    stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
     holders: dict[int, list[tuple[int, str]]] = {}
+    owners: dict[int, set[int]] = {}  # per parameter, the modules holding it
     for i, layer in enumerate(model):
-        if i >= len(stage_of):
+        if i >= sum(balance):
             break
         for name, p in layer.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(id(layer.get_submodule(name.rpartition(".")[0])))
             found = holders.setdefault(id(p), [])
             if all(j != i for j, _ in found):
                 found.append((i, name))
+    # A module in several layers is not a tie: it stays one (on one stage) or is refused.
     return [
-        [f"{i}.{name}" for i, name in found] for found in holders.values() if len({stage_of[i] for i, _ in found}) > 1
+        [f"{i}.{name}" for i, name in found]
+        for key, found in holders.items()
+        if len(found) > 1 and len(owners[key]) == len(found)
     ]
 
 
