@@ -7,11 +7,15 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint typecheck pytest bench clean
 
 # torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages.
+# torchvision goes apart, into $(VENV)/vision, never site-packages: transformers imports it when
+# present, and PyPI's (CUDA) wheels fail to import beside the CPU torch; tests that need it add
+# $(VENV)/vision to the path. (--upgrade: a re-run replaces it.)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/vision torchvision==0.28.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,7 +3,8 @@
 ``gpipe demo`` trains a small model with the pipeline on synthetic data, printing the schedule, its
 bubble and the loss of every step.
 
-``gpipe train`` trains the paper's Transformer or AmoebaNet-D (see :mod:`gpipe.train`).
+``gpipe train`` trains the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM (see
+:mod:`gpipe.train`).
 
 ``gpipe bench`` reproduces the paper's tables on this machine beside peers (see :mod:`gpipe.bench`).
 
@@ -130,7 +131,9 @@ def schedule(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="gpipe", description="GPipe pipeline-parallel training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train the paper's Transformer or AmoebaNet-D with pipeline parallelism (see -h)")
+    sub.add_parser(
+        "train", help="train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)"
+    )
     sub.add_parser("bench", help="reproduce the paper's tables here, beside peers; a markdown report (see -h)")
     d = sub.add_parser("demo", help="train a small model with the pipeline on synthetic data")
     d.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")

@@ -1,9 +1,11 @@
-"""``gpipe train``: train the paper's Transformer or AmoebaNet-D with pipeline parallelism, on the
-local devices or under torchrun with the same flags.
+"""``gpipe train``: train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, with
+pipeline parallelism, on the local devices or under torchrun with the same flags.
 
     gpipe train                                   # the default: a small T(2, 256, 4) on synthetic data
     gpipe train --model amoebanet                 # a small AmoebaNet-D(6, 16) on synthetic 32x32 images
     gpipe train --model amoebanet --data cifar.npz --layers 18 --filters 64
+    gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
+    gpipe train --model hf --hf-config llama/config.json --data text.txt
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
     gpipe train --config run.toml --resume        # continue exactly where the last checkpoint left off
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
@@ -42,7 +44,7 @@ from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import CHECKPOINT_MODES
 from gpipe.cli import ArgumentParser, UsageError
 from gpipe.data import PAD, ImageFiles, SyntheticImages, SyntheticTranslation, TextPairs
-from gpipe.models import amoebanet_d, transformer
+from gpipe.models import amoebanet_d, hf, transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import (
     adafactor,
@@ -55,10 +57,11 @@ from gpipe.recipe import (
 from gpipe.rng import derive_seed
 from gpipe.saving import CheckpointError, latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
+from gpipe.sequential import to_sequential
 
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
-MODELS = ("transformer", "amoebanet")
+MODELS = ("transformer", "amoebanet", "hf")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
 
@@ -72,6 +75,9 @@ class ConfigError(UsageError):
 class ConfigTypeError(ConfigError, TypeError):
     """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
 
+
+# The built-in models' size flags: --model hf takes its size from its config instead.
+_SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
 
 _KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 
@@ -128,7 +134,18 @@ _RANGES = {
 class TrainConfig:
     """Everything ``gpipe train`` needs; each field is also a command-line flag."""
 
-    model: str = field(default="transformer", metadata={"help": f"the model: {', '.join(MODELS)}"})
+    model: str = field(
+        default="transformer",
+        metadata={"help": f"the model: {', '.join(MODELS)} (hf: a Hugging Face causal LM, built from --hf-config)"},
+    )
+    hf_config: str = field(
+        default="",
+        metadata={
+            "help": "hf: a transformers config.json (or its folder) of a causal LM, read locally, weights random; "
+            f"'': a GPT-2 of {hf.DEFAULT['n_layer']} layers, n_embd {hf.DEFAULT['n_embd']}, "
+            f"{hf.DEFAULT['n_head']} heads, the data's vocabulary and length"
+        },
+    )
     layers: int = field(
         default=0,
         metadata={
@@ -166,7 +183,8 @@ class TrainConfig:
         default="",
         metadata={
             "help": "transformer: a file of source<TAB>target lines; amoebanet: a .npz (x, y) or a folder "
-            "of class sub-folders of images (default: synthetic data)"
+            "of class sub-folders of images; hf: source<TAB>target lines, or text, a document a line "
+            "(default: synthetic data)"
         },
     )
     eval_every: int = field(default=50, metadata={"help": "evaluate every N steps"})
@@ -211,6 +229,7 @@ class TrainConfig:
             raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
         if self.model == "amoebanet" and self.image_size < 4:
             raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
+        self._check_hf()
         layers, formula = self.model_layers()
         if self.partitions > layers:
             raise ConfigError(
@@ -224,6 +243,38 @@ class TrainConfig:
                 f"--partitions {world}, or start torchrun with --nproc-per-node {self.partitions}"
             )
         self._check_paths()
+
+    def _check_hf(self) -> None:
+        """``--hf-config`` only with ``--model hf``; with it, no size flag of the built-in models (they
+        would be silently ignored: the config says the size), nor ``--dropout`` with a config."""
+        if self.hf_config and self.model != "hf":
+            raise ConfigError(
+                f"--hf-config is for --model hf (model: {self.model!r}); add --model hf or leave --hf-config out"
+            )
+        if self.model != "hf":
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _SIZE_FLAGS:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    f"--{_flag(name)} {getattr(self, name)} sizes the built-in models, not --model hf, whose size "
+                    "comes from --hf-config (a config.json: n_layer, n_embd, ...) or is the built-in GPT-2's; "
+                    f"leave --{_flag(name)} out"
+                )
+        if self.hf_config and self.dropout:
+            raise ConfigError(
+                f"--dropout {self.dropout} applies to the built-in GPT-2 only: with --hf-config the config's own "
+                "dropout settings apply (resid_pdrop, attention_dropout, ... in the config.json); leave --dropout out"
+            )
+
+    def hf_model_config(self) -> Any:
+        """``--hf-config``'s transformers config (read afresh), or None for the built-in GPT-2."""
+        if not self.hf_config:
+            return None
+        try:
+            return hf.load_config(self.hf_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _check_paths(self) -> None:
         if self.data and not Path(self.data).exists():
@@ -264,6 +315,11 @@ class TrainConfig:
         if self.model == "amoebanet":
             extra = 4 + self.stem_cells
             return self.depth + extra, f"AmoebaNet-D({self.depth}, ...) has L + {extra}"
+        if self.model == "hf":
+            config = self.hf_model_config()
+            blocks = config.num_hidden_layers if config is not None else hf.DEFAULT["n_layer"]
+            where = f"--hf-config {self.hf_config!r}" if config is not None else "the built-in GPT-2"
+            return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
 
 
@@ -383,7 +439,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
     # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
     ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
-    loss_fn = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
+    loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
+    if cfg.model == "hf":  # its last layer returns the model's ModelOutput
+        loss_fn = functools.partial(hf.logits_loss, loss_fn)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
@@ -471,6 +529,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _data(cfg: TrainConfig) -> Any:
+    if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
+        if cfg.data:
+            return hf.text_data(cfg.data, seed=cfg.seed)
+        return hf.CausalPairs(SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed))
     if cfg.model == "amoebanet":
         if cfg.data:
             return ImageFiles(cfg.data, size=cfg.image_size, seed=cfg.seed)
@@ -482,12 +544,34 @@ def _data(cfg: TrainConfig) -> Any:
 
 def _model(cfg: TrainConfig, data: Any) -> torch.nn.Sequential:
     """The model on the meta device: each stage materializes only its own layers."""
+    if cfg.model == "hf":
+        return _hf_model(cfg, data)
     with torch.device("meta"):
         if cfg.model == "amoebanet":
             return amoebanet_d(cfg.depth, cfg.filters, classes=data.classes, in_channels=data.channels,
                                stem_cells=cfg.stem_cells)  # fmt: skip
         return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=data.vocab, max_len=64,
                            dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
+
+
+def _hf_model(cfg: TrainConfig, data: Any) -> torch.nn.Sequential:
+    """The Hugging Face model as pipeline layers, on the meta device like the built-in models: each
+    process materializes its own stages' layers, initialized by the model's ``_init_weights``
+    seeded per layer from ``--seed``, alike in every process and for every partition count."""
+    config = cfg.hf_model_config()
+    where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
+    try:
+        if config is None:
+            config = hf.default_config(data.vocab, data.length, cfg.dropout)
+        else:
+            hf.check_config(config, where, data.vocab, data.length)
+    except ValueError as exc:  # (its messages name the config)
+        raise ConfigError(str(exc)) from exc
+    try:
+        model = hf.build(config)
+    except ValueError as exc:  # a setting from_config refuses, or a model that is not causal
+        raise ConfigError(f"{where}: {exc}") from exc
+    return to_sequential(model, data.batch(2, 0, split="eval").inputs)
 
 
 @torch.no_grad()

@@ -1,0 +1,287 @@
+"""Hugging Face causal language models for ``gpipe train --model hf``: the config, the model built
+from it, and the data a causal LM reads.
+
+Nothing is downloaded and no code but transformers' own runs: a config comes from a local
+``config.json`` (:func:`load_config`; ``local_files_only``, ``trust_remote_code=False``) or is a
+small built-in GPT-2 (:func:`default_config`), and the model is built from it with random weights
+(``from_config``), seeded, so that every process and every partition count starts alike.
+
+A causal LM reads one sequence where the built-in data sets hold pairs: :class:`CausalPairs` puts a
+pair's source before its target, ``source + target_in``, and counts the loss on the target tokens
+only (the source is a prompt: it is random, nothing could predict it). :class:`TextLines` is a plain
+text file, one document a line.
+
+transformers is imported only when these functions run: ``gpipe`` itself does not need it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.data import BOS, EOS, PAD, TextPairs, TranslationBatch
+from gpipe.rng import derive_seed
+
+__all__ = [
+    "DEFAULT",
+    "CausalBatch",
+    "CausalPairs",
+    "TextLines",
+    "build",
+    "check_config",
+    "default_config",
+    "layer_count",
+    "load_config",
+    "logits_loss",
+    "text_data",
+]
+
+DEFAULT = {"n_layer": 4, "n_embd": 128, "n_head": 4}
+"""The built-in GPT-2's size; its vocabulary and positions are the data's."""
+
+
+def _transformers() -> Any:
+    # Offline, unless the caller says otherwise: nothing here reads the Hub (local files, from_config),
+    # and this keeps anything transformers might try from reaching it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "--model hf needs transformers: pip install transformers==5.23.0 (it is in gpipe's dev extra)"
+        ) from None
+    return transformers
+
+
+def load_config(path: str) -> Any:
+    """The transformers config of ``path`` (a ``config.json``, or a folder holding one), from local
+    files only; a :class:`ValueError` naming the file unless it is a causal LM's."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(
+            f"--hf-config {path!r}: no such file (give a config.json, e.g. one written by "
+            "GPT2Config(...).save_pretrained(folder), or the folder)"
+        )
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"cannot read --hf-config {str(file)!r} as a transformers config: {detail}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"--hf-config {str(file)!r} is a {config.model_type!r} config, which is not a causal language "
+            "model (transformers' AutoModelForCausalLM has no class for it); give a decoder's config "
+            "such as gpt2, llama or qwen2"
+        )
+    return config
+
+
+def default_config(vocab: int, positions: int, dropout: float) -> Any:
+    """The built-in GPT-2: :data:`DEFAULT`'s size, the data's vocabulary and sequence length."""
+    transformers = _transformers()
+    return transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        **DEFAULT,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )  # (no pad_token_id: padding comes after a sequence's last token, and a causal LM never sees it)
+
+
+def layer_count(config: Any) -> int:
+    """The pipeline layers :func:`gpipe.to_sequential` makes of the model: the embeddings, one per
+    block, the final norm with the LM head."""
+    return int(config.num_hidden_layers) + 2
+
+
+def check_config(config: Any, where: str, vocab: int, positions: int) -> None:
+    """A :class:`ValueError` unless the config's vocabulary covers the data's token ids and its
+    positions the data's sequence length (an embedding lookup out of range would fail mid-step)."""
+    if config.vocab_size < vocab:
+        raise ValueError(
+            f"{where}: vocab_size {config.vocab_size} is smaller than the data's vocabulary of {vocab} tokens; "
+            f"set vocab_size to {vocab} or more"
+        )
+    most = getattr(config, "max_position_embeddings", None)
+    if isinstance(most, int) and most < positions:
+        raise ValueError(
+            f"{where}: {most} positions (max_position_embeddings) are fewer than the data's sequence length "
+            f"of {positions} tokens; set them to {positions} or more"
+        )
+
+
+def build(config: Any) -> nn.Module:
+    """The model of ``config`` on the meta device, in float32 whatever the config's dtype: the
+    pipeline materializes each stage's layers only, initialized by the model's own
+    ``_init_weights`` seeded per layer (the same weights in every process and for every partition
+    count). A :class:`ValueError` if the model is not causal (tried on a real one-block copy)."""
+    transformers = _transformers()
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        _check_causal(transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False), config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+    return model  # type: ignore[no-any-return]
+
+
+@torch.no_grad()
+def _check_causal(model: nn.Module, config: Any) -> None:
+    """Refuse a model whose outputs see later tokens (BERT's LM head without ``is_decoder``, say):
+    trained on next tokens it would copy them. Tried, not looked up: change the last token of a
+    short sequence and compare the logits before it."""
+    vocab = int(config.vocab_size)
+    x = torch.full((1, 4), vocab - 1)
+    y = x.clone()
+    y[0, -1] = max(vocab - 2, 0)
+    was_training = model.training
+    model.eval()
+    try:
+        a, b = model(x).logits[:, :-1], model(y).logits[:, :-1]
+    finally:
+        model.train(was_training)
+    if not torch.allclose(a, b, atol=1e-5):
+        raise ValueError(
+            f"the {config.model_type!r} model of the config sees later tokens (it is not causal), so it cannot "
+            "be trained to predict them; give a decoder's config (gpt2, llama, ...), or set is_decoder: true "
+            "where the model has it"
+        )
+
+
+def logits_loss(loss_fn: Any, output: Any, target: Tensor, **kwargs: Any) -> Tensor:
+    """``loss_fn`` on the logits of a model's output (a ``ModelOutput``, or the logits themselves)."""
+    logits = output if isinstance(output, Tensor) else output.logits
+    return loss_fn(logits, target, **kwargs)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class CausalBatch:
+    inputs: Tensor  # (B, L) token ids
+    target: Tensor  # (B, L) the next token at each position; PAD where nothing is to be predicted
+
+    @property
+    def count(self) -> int:
+        return int((self.target != PAD).sum())
+
+
+class _Pairs(Protocol):
+    unit: str
+    baseline_name: str
+
+    @property
+    def vocab(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    def baseline(self) -> float: ...
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch: ...
+
+
+class CausalPairs:
+    """Translation pairs as one sequence each, ``source + target_in``, predicting ``target_out``
+    after the source: the decoder-only form of the same task, with the same tokens counted and the
+    same baseline (the targets' unigram entropy)."""
+
+    unit = "tokens"
+
+    def __init__(self, pairs: _Pairs) -> None:
+        self.pairs = pairs
+        self.baseline_name = pairs.baseline_name
+
+    @property
+    def vocab(self) -> int:
+        return self.pairs.vocab
+
+    @property
+    def length(self) -> int:
+        return 2 * self.pairs.length
+
+    def baseline(self) -> float:
+        return self.pairs.baseline()
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> CausalBatch:
+        pair = self.pairs.batch(size, step, split=split)
+        return CausalBatch(
+            torch.cat([pair.source, pair.target_in], dim=1),
+            torch.cat([torch.full_like(pair.source, PAD), pair.target_out], dim=1),
+        )
+
+
+class TextLines:
+    """A text file, one document a line, tokenized on white space: ``BOS words EOS``, cut at
+    ``length`` + 1 tokens (or the longest line's, if shorter) and padded. A seeded tenth of the
+    lines (at least one) is held out for the ``eval`` split."""
+
+    unit = "tokens"
+    baseline_name = "unigram entropy"
+
+    def __init__(self, path: str | os.PathLike[str], *, length: int = 64, seed: int = 0) -> None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.split() for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the data file {str(path)!r}: {exc}") from None
+        if len(lines) < 2:
+            raise ValueError(
+                f"{str(path)!r} holds {len(lines)} non-empty line(s); at least 2 are needed (train and eval)"
+            )
+        self.index = {w: i + 3 for i, w in enumerate(sorted({w for words in lines for w in words}))}
+        self.length = min(length, max(len(words) for words in lines) + 1)
+        rows = torch.tensor([self._encode(words) for words in lines])
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(derive_seed(seed, 8, 0)))
+        held = max(len(rows) // 10, 1)
+        self.splits = {"eval": rows[order[:held]], "train": rows[order[held:]]}
+        self.seed = seed
+
+    @property
+    def vocab(self) -> int:
+        return len(self.index) + 3
+
+    def _encode(self, words: list[str]) -> list[int]:
+        ids = [BOS, *(self.index[w] for w in words), EOS][: self.length + 1]
+        return ids + [PAD] * (self.length + 1 - len(ids))
+
+    def baseline(self) -> float:
+        """The unigram entropy (nats) of the training targets: the loss of a model ignoring its input."""
+        targets = self.splits["train"][:, 1:]
+        counts = Counter(targets[targets != PAD].tolist())
+        total = sum(counts.values())
+        return -sum(c / total * math.log(c / total) for c in counts.values())
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> CausalBatch:
+        if split not in self.splits:
+            raise ValueError(f"split must be one of {sorted(self.splits)} (split: {split!r})")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, 0 if split == "train" else 1, step))
+        rows = self.splits[split]
+        picked = rows[torch.randint(0, len(rows), (size,), generator=g)]
+        return CausalBatch(picked[:, :-1], picked[:, 1:])
+
+
+def text_data(path: str, seed: int) -> CausalPairs | TextLines:
+    """``--data`` for a causal LM: a file of source<TAB>target lines (every line has one tab) as
+    :class:`CausalPairs`, any other text file as :class:`TextLines`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the data file {path!r}: {exc}") from None
+    if lines and all(line.count("\t") == 1 for line in lines):
+        return CausalPairs(TextPairs(path, seed=seed))
+    return TextLines(path, seed=seed)
