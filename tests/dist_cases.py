@@ -550,3 +550,51 @@ def gpt2_steps(steps: int = 3, world: int | None = None) -> dict[str, Any]:
         optimizer.step()
     held = {n.split(".", 3)[3]: p.detach().clone() for n, p in pipe.named_parameters()}
     return {"losses": losses, "tied": {n: held[n] for n in ("transformer.wte.weight", "lm_head.weight") if n in held}}
+
+
+# torchgpipe's skip protocol: generators, and one pair of classes used twice, isolated by namespaces.
+
+
+@skippable(stash=["skip"])
+class GenDown(nn.Module):
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        x = torch.tanh(self.conv(x))
+        yield stash("skip", x)
+        return F.avg_pool2d(x, 2)
+
+
+@skippable(pop=["skip"])
+class GenUp(nn.Module):
+    def __init__(self, c_in: int, c_skip: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in + c_skip, c_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        x = F.interpolate(x, scale_factor=2.0)
+        return torch.tanh(self.conv(torch.cat([x, skip], dim=1)))
+
+
+def generator_unet() -> nn.Sequential:
+    """8 layers; the outer skip spans 6 of them, the inner one 4."""
+    from gpipe.skip import Namespace
+
+    torch.manual_seed(0)
+    outer, inner = Namespace(), Namespace()
+    return nn.Sequential(
+        GenDown(2, 4).isolate(outer), GenDown(4, 6).isolate(inner), nn.Conv2d(6, 6, 3, padding=1), nn.Tanh(),
+        nn.Conv2d(6, 6, 3, padding=1), GenUp(6, 6, 4).isolate(inner), GenUp(4, 4, 2).isolate(outer),
+        nn.Conv2d(2, 2, 1),
+    )  # fmt: skip
+
+
+def generator_unet_step(schedule: str, chunks: int) -> dict[str, Any]:
+    world = int(os.environ["WORLD_SIZE"])
+    model = generator_unet()
+    pipe = Pipeline(model, even(len(model), world), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = unet_data()
+    return {"loss": pipe.step(x, y), "grads": grads_of(pipe)}

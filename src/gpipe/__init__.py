@@ -5,6 +5,7 @@ The front ends :class:`GPipe` and :class:`Pipeline` take an ``nn.Sequential`` or
 IR in :mod:`gpipe.schedule`.
 """
 
+from gpipe import balance, batchnorm, skip  # torchgpipe's module paths: gpipe.balance, gpipe.skip, ...
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
@@ -24,12 +25,15 @@ __all__ = [
     "ScheduleError",
     "StepTrace",
     "ToSequentialError",
+    "balance",
+    "batchnorm",
     "is_checkpointing",
     "is_recomputing",
     "load_checkpoint",
     "make_schedule",
     "save_checkpoint",
     "simulate",
+    "skip",
     "to_sequential",
 ]
 
