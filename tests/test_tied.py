@@ -72,3 +72,36 @@ def test_tie_errors(tied: list[list[str]], match: str) -> None:
     model[1] = nn.Linear(dist_cases.DIM, dist_cases.DIM + 1)
     with pytest.raises(ValueError, match=match):
         Pipeline(model, [3, 3], chunks=2, loss_fn=F.mse_loss, tied=tied, devices=["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("front_end", ["gpipe", "pipeline"])
+def test_shared_parameter_is_tied_without_being_named_and_trains_as_plain(front_end: str) -> None:
+    """The plain model's one embedding/output weight, on the first and last partition: tied by
+    itself, and three Adam steps later every copy equals the plain model's weight."""
+    import copy
+
+    from gpipe import GPipe
+
+    model = dist_cases.tied_lm(share=True)
+    plain = copy.deepcopy(model)
+    x, y = dist_cases.lm_data()
+    if front_end == "gpipe":
+        net: nn.Module = GPipe(model, [3, 3], devices=["cpu"] * 2, chunks=4)
+    else:
+        net = Pipeline(model, [3, 3], devices=["cpu"] * 2, chunks=4, loss_fn=dist_cases.lm_loss)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
+    reference = torch.optim.Adam(plain.parameters(), lr=0.05)
+    for _ in range(3):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        if isinstance(net, GPipe):
+            dist_cases.lm_loss(net(x), y).backward()
+        else:
+            net.step(x, y)
+        dist_cases.lm_loss(plain(x), y).backward()
+        optimizer.step()
+        reference.step()
+    copies = [p for n, p in net.named_parameters() if re.search(r"(^|\.)(0|5)\.weight$", n)]
+    assert len(copies) == 2 and copies[0] is not copies[1]
+    assert torch.equal(copies[0], copies[1])
+    torch.testing.assert_close(copies[0], plain[0].weight, rtol=1e-5, atol=1e-6)
