@@ -19,8 +19,8 @@ changes. Any dtype travels, as raw bytes.
 
 Failures: a rank whose step raises (or which loses a peer) records the failure in the process
 group's store; every other rank watches the store during a step and stops its step with a
-:class:`PipelineError` naming the failed rank. Point-to-point operations time out (``timeout``) so
-that a hung rank cannot hang the others forever.
+:class:`PipelineError` naming the failed rank — before its next action, or at its current wait.
+Point-to-point operations time out (``timeout``) so that a hung rank cannot hang the others forever.
 
 Outside the actions — the collectives of a step (the seed's broadcast, the loss's and the
 gradients' all-reduces and broadcast) and of setting up — each call runs under :func:`collective`,
@@ -549,8 +549,11 @@ class DistributedExecutor(LocalExecutor):
                 f"the pipeline {len(self.pipeline_ranks)} ranks"
             )
         actions = schedule.actions[self.rank]
+        mailbox = run.mailbox
         with self._watching(run), self.watching_randomness(), run.ctx.applied(self.device):
             for action in actions:
+                if mailbox.failed is not None:  # another rank failed (the watch or a transfer said so)
+                    raise PipelineError(mailbox.failed)
                 try:
                     self._execute(self.rank, action, run)
                 except _AbortedError as exc:

@@ -9,9 +9,10 @@ threads — run concurrently.
 Boundary tensors are moved to the consuming stage's device with ``Tensor.to``, which orders the copy
 after the producer's work on the devices' current streams.
 
-When a worker raises, every other worker stops at its next wait, all of them are joined, and the
-original exception (with its traceback, and a note naming the action) reaches the caller. No worker
-outlives the call.
+When a worker raises, every other worker stops before its next action (or at its current wait), so
+that a worker whose inputs are all there (the first stage's, in the fill phase) does not go on
+computing; all of them are joined, and the original exception (with its traceback, and a note
+naming the action) reaches the caller. No worker outlives the call.
 
 A schedule can also run *inline*: in the calling thread, action by action in an order that respects
 every dependency. The autograd-driven :class:`gpipe.GPipe` does so for its backward on CUDA devices,
@@ -53,7 +54,9 @@ class _Mailbox:
     def __init__(self) -> None:
         self._items: dict[tuple[str, int, int], Any] = {}
         self._cond = threading.Condition()
-        self._failed: str | None = None
+        # Why the step stopped, once a worker (or rank) failed: read without the lock by the workers
+        # before each action (a plain attribute read; a stale None costs one more action at most).
+        self.failed: str | None = None
 
     def put(self, key: tuple[str, int, int], value: Any) -> None:
         with self._cond:
@@ -63,15 +66,15 @@ class _Mailbox:
     def get(self, key: tuple[str, int, int]) -> Any:
         with self._cond:
             while key not in self._items:
-                if self._failed is not None:
-                    raise _AbortedError(self._failed)
+                if self.failed is not None:
+                    raise _AbortedError(self.failed)
                 self._cond.wait()
             return self._items.pop(key)
 
     def fail(self, reason: str = "another worker failed") -> None:
         with self._cond:
-            if self._failed is None:
-                self._failed = reason
+            if self.failed is None:
+                self.failed = reason
             self._cond.notify_all()
 
 
@@ -185,8 +188,11 @@ class LocalExecutor:
             try:
                 if device.type == "cpu":
                     torch.set_num_threads(threads)
+                mailbox = run.mailbox
                 with run.ctx.applied(device):
                     for action in actions:
+                        if mailbox.failed is not None:  # another worker failed: no further action
+                            return
                         try:
                             self._execute(w, action, run)
                         except _AbortedError:

@@ -20,12 +20,17 @@ Stages hold no per-step state: what a forward keeps for its backward is returned
 which layers draw random numbers (the others are called plainly), which inputs its layers change in
 place (those are copied), and which outputs need a gradient (only those get one). A recomputation
 leaves norm layers' running statistics as the forward left them.
+
+Hooks on a partition (the stage's ``nn.Sequential``): the stage calls its layers one by one, not the
+partition, so it runs the partition's forward pre-hooks and forward hooks itself, as
+``nn.Module.__call__`` would — see :class:`Stage`.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.module import (
+    _global_forward_hooks,
+    _global_forward_hooks_always_called,
+    _global_forward_hooks_with_kwargs,
+    _global_forward_pre_hooks,
+)
 
 from gpipe import skip
 from gpipe.batchnorm import DeferredBatchNorm
@@ -202,8 +213,124 @@ class _InPlace:
                 )
 
 
+class _PartitionCall:
+    """The forward hooks of one call of a partition, run around the stage's layers as
+    ``nn.Module.__call__`` runs them (torch's global module hooks first): :meth:`enter` runs the
+    pre-hooks on the partition's input, :meth:`exit` the hooks on its output, :meth:`failed` those
+    registered with ``always_call=True`` that did not run when a layer raised."""
+
+    def __init__(self, module: nn.Module, index: int) -> None:
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise RuntimeError(
+                f"partition {index} has a backward hook, which gpipe does not run: the stage calls the "
+                "partition's layers one by one, not the partition. Register it on a layer of the "
+                "partition (or on a tensor, with Tensor.register_hook) instead"
+            )
+        self.module = module
+        self.index = index
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.called: set[int] = set()  # the always_call hooks that ran
+        self.output: Any = None  # the output the hooks have made so far
+
+    def enter(self, value: Any) -> Any:
+        """The partition's input after its forward pre-hooks."""
+        module = self.module
+        args: tuple[Any, ...] = (value,)
+        kwargs: dict[str, Any] = {}
+        self.args = args
+        for hook_id, hook in (*_global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()):
+            if hook_id in module._forward_pre_hooks_with_kwargs:
+                result = hook(module, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(
+                            f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                        )
+                    args, kwargs = result
+            else:
+                result = hook(module, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+            self.args, self.kwargs = args, kwargs
+        if len(args) != 1 or kwargs:
+            given = f"{len(args)} positional arguments" + (f" and keyword arguments {sorted(kwargs)}" if kwargs else "")
+            raise TypeError(
+                f"the forward pre-hooks of partition {self.index} give it {given}, but an nn.Sequential takes "
+                "one input (to pass several values, return ((a, b),) from the hook)"
+            )
+        return args[0]
+
+    def exit(self, output: Any) -> Any:
+        """The partition's output after its forward hooks."""
+        module = self.module
+        self.output = output
+        for hook_id, hook in (*_global_forward_hooks.items(), *module._forward_hooks.items()):
+            if hook_id in module._forward_hooks_always_called or hook_id in _global_forward_hooks_always_called:
+                self.called.add(hook_id)
+            if hook_id in module._forward_hooks_with_kwargs or hook_id in _global_forward_hooks_with_kwargs:
+                result = hook(module, self.args, self.kwargs, output)
+            else:
+                result = hook(module, self.args, output)
+            if result is not None:
+                self.output = output = result
+        return output
+
+    def failed(self) -> None:
+        """The partition's forward raised: run its ``always_call`` forward hooks that did not run,
+        with the output so far (None if its layers raised; an exception from one of these hooks is
+        a warning: the original one propagates)."""
+        module = self.module
+        for hooks, always, kwarg_ids in (
+            (_global_forward_hooks, _global_forward_hooks_always_called, _global_forward_hooks_with_kwargs),
+            (module._forward_hooks, module._forward_hooks_always_called, module._forward_hooks_with_kwargs),
+        ):
+            for hook_id, hook in list(hooks.items()):
+                if hook_id not in always or hook_id in self.called:
+                    continue
+                self.called.add(hook_id)
+                try:
+                    if hook_id in kwarg_ids:
+                        hook(module, self.args, self.kwargs, self.output)
+                    else:
+                        hook(module, self.args, self.output)
+                except Exception as exc:
+                    warnings.warn(
+                        "module forward hook with ``always_call=True`` raised an exception that was silenced "
+                        f"as another error was raised in forward: {exc}",
+                        stacklevel=2,
+                    )
+
+
+def _hooked(layers: list[Callable[[Any], Any]], n: int, call: _PartitionCall) -> list[Callable[[Any], Any]]:
+    """``layers`` (the partition's ``n`` layers, then maybe the loss) with the partition's forward
+    hooks around its layers: the pre-hooks run in the first one's call, the hooks in the last one's."""
+    if n:
+        first = layers[0]
+        layers[0] = lambda value: first(call.enter(value))
+        last = layers[n - 1]  # (the wrapped first one, if it is the last too)
+        layers[n - 1] = lambda value: call.exit(last(value))
+    return layers
+
+
 class Stage:
-    """Layers ``first .. first+len(module)-1`` of the model, placed on ``device``."""
+    """Layers ``first .. first+len(module)-1`` of the model, placed on ``device``.
+
+    Hooks on the partition ``module`` (``GPipe.partitions[k]``, ``Pipeline.partitions[str(k)]``):
+    the stage runs its layers one by one, and runs the partition's forward pre-hooks and forward
+    hooks around them itself, as a plain call of the partition on the micro-batch would (with the
+    same arguments, ``with_kwargs`` and ``always_call`` hooks included, and torch's global module
+    forward hooks): once per micro-batch forward, a pre-hook seeing (and possibly replacing) the
+    micro-batch's input, a hook seeing (and possibly replacing) the partition's output — before the
+    loss, on the last stage of a :class:`gpipe.Pipeline`. As in torchgpipe, whose backward calls a
+    re-materialized partition again, the hooks fire again when a re-materialized micro-batch is
+    recomputed in backward (``gpipe.is_recomputing()`` is then true, ``gpipe.is_checkpointing()``
+    in the forward): with ``checkpoint='always'`` a training step fires them twice per micro-batch.
+    Backward hooks on a partition are not supported (the stage raises at its forward; register
+    them on a layer); torch's global backward hooks see the layers, not the partition. Without
+    hooks this costs one check of the partition's hook tables (and torch's global ones) per
+    micro-batch.
+    """
 
     def __init__(
         self, index: int, module: nn.Sequential, first: int, device: torch.device, loss_fn: LossFn | None = None
@@ -240,9 +367,12 @@ class Stage:
         # Asynchronous only towards a GPU: a copy to the CPU must be complete before it is read.
         return t.to(self.device, non_blocking=self.device.type == "cuda")
 
-    def _layers(self, m: int, ctx: StepContext) -> list[Callable[[Any], Any]]:
-        """The stage's functions for micro-batch ``m``: its layers, then the loss if it has one."""
+    def _layers(self, m: int, ctx: StepContext, call: _PartitionCall | None = None) -> list[Callable[[Any], Any]]:
+        """The stage's functions for micro-batch ``m``: its layers (with the partition's forward
+        hooks around them, given its ``call``), then the loss if it has one."""
         layers: list[Callable[[Any], Any]] = list(self.module)
+        if call is not None:
+            layers = _hooked(layers, len(layers), call)
         if self.loss_fn is not None and ctx.targets is not None:
             loss_fn, target = self.loss_fn, ctx.targets[m]
             scale = ctx.loss_scale[m] if ctx.loss_scale is not None else 1.0
@@ -288,8 +418,19 @@ class Stage:
         """Run the layers on ``batch``; the skip connections it carries are stashed and popped on
         the way, and those still open leave with the output. Without a tape, the skips live in one
         table for the whole stage; with one, every layer's are recorded with its output."""
+        module = self.module
+        call = (
+            _PartitionCall(module, self.index)
+            if module._forward_pre_hooks
+            or module._forward_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+            or _global_forward_pre_hooks
+            or _global_forward_hooks
+            else None
+        )
         if tape is not None:
-            return self._run_taped(m, batch, ctx, tape)
+            return self._run_taped(m, batch, ctx, tape, call)
         protect = ctx.grad_enabled  # a forward kept for backward: its inputs must stay as they were
         fed, token = self._in_place.feed(-1, ctx.training, batch) if protect else (batch, None)
         skips = fed.skip_items()
@@ -297,8 +438,12 @@ class Stage:
         try:
             value = fed.value
             draws = self._draws[ctx.training]
-            for i, layer in enumerate(self._layers(m, ctx)):
+            for i, layer in enumerate(self._layers(m, ctx, call)):
                 value = layer(value) if draws[i] is False else self._call(i, layer, value, m, ctx)
+        except Exception:
+            if call is not None:
+                call.failed()
+            raise
         finally:
             skip.leave(before)
         if protect:
@@ -306,20 +451,27 @@ class Stage:
         out = Batch.of(value)
         return out.with_skips(skips) if skips or batch.skips else out
 
-    def _run_taped(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]]) -> Batch:
+    def _run_taped(
+        self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]], call: _PartitionCall | None
+    ) -> Batch:
         state = batch
-        for i, layer in enumerate(self._layers(m, ctx)):
-            leaves = state.map(_leaf) if i else state
-            fed, token = self._in_place.feed(i, ctx.training, leaves)
-            skips = fed.skip_items()
-            before = skip.enter(skips)
-            try:
-                value = self._call(i, layer, fed.value, m, ctx)
-            finally:
-                skip.leave(before)
-            self._in_place.check(i, ctx.training, leaves, fed, token, functools.partial(self._where, i))
-            state = Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
-            tape.append((leaves, state))
+        try:
+            for i, layer in enumerate(self._layers(m, ctx, call)):
+                leaves = state.map(_leaf) if i else state
+                fed, token = self._in_place.feed(i, ctx.training, leaves)
+                skips = fed.skip_items()
+                before = skip.enter(skips)
+                try:
+                    value = self._call(i, layer, fed.value, m, ctx)
+                finally:
+                    skip.leave(before)
+                self._in_place.check(i, ctx.training, leaves, fed, token, functools.partial(self._where, i))
+                state = Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
+                tape.append((leaves, state))
+        except Exception:
+            if call is not None:
+                call.failed()
+            raise
         return state
 
     def _input_leaf(self, t: Tensor, needs_grad: bool) -> Tensor:
