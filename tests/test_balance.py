@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gpipe import GPipe, Pipeline
-from gpipe.balance import balance_by_params, balance_by_size, balance_by_time, layer_memory, layer_times, solve
+from gpipe.balance import (
+    balance_by_params,
+    balance_by_size,
+    balance_by_time,
+    blockpartition,
+    layer_memory,
+    layer_times,
+    layerwise_sandbox,
+    profiling_device,
+    solve,
+)
 from tests.helpers import assert_all_close, intra_op_threads, step
 
 
@@ -187,3 +197,89 @@ def test_auto_balance_in_both_front_ends() -> None:
 def test_auto_balance_errors(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GPipe(uneven(), "auto", chunks=2, **kwargs)  # type: ignore[arg-type]
+
+
+# torchgpipe's signatures and semantics.
+
+
+def test_torchgpipe_signatures() -> None:
+    import inspect
+
+    time_params = inspect.signature(balance_by_time).parameters
+    assert list(time_params)[:3] == ["partitions", "module", "sample"]
+    assert time_params["timeout"].default == 1.0 and time_params["device"].default == torch.device("cuda")
+    size_params = inspect.signature(balance_by_size).parameters
+    assert list(size_params)[:3] == ["partitions", "module", "input"]
+    assert size_params["chunks"].default == 1 and size_params["param_scale"].default == 2.0
+    assert size_params["device"].default == torch.device("cuda")
+
+
+def test_default_cuda_device_falls_back_to_the_cpu_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the fallback only applies without CUDA")
+    assert profiling_device(torch.device("cuda"), nn.Linear(1, 1)) == torch.device("cpu")
+    assert sum(balance_by_time(2, uneven(), torch.randn(4, 64), timeout=0.0)) == 6  # default device
+    assert sum(balance_by_size(2, uneven(), input=torch.randn(4, 64))) == 6
+
+
+class Counting(nn.Module):
+    """Counts its training forwards, refusing to run in eval mode (profiling is in training mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.training, "profiled in eval mode"
+        self.calls += 1
+        return x * 2
+
+
+def test_profiles_in_training_mode_and_restores_eval_mode() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Counting(), nn.Dropout(0.5))
+    model.eval()
+    balance_by_time(2, model, torch.randn(8, 4), timeout=0.0, device="cpu")
+    balance_by_size(2, model, torch.randn(8, 4), device="cpu")
+    assert not any(m.training for m in model.modules())
+
+
+def test_timeout_keeps_profiling() -> None:
+    once, longer = nn.Sequential(Counting(), Counting()), nn.Sequential(Counting(), Counting())
+    balance_by_time(2, once, torch.randn(2, 2), timeout=0.0, device="cpu")
+    balance_by_time(2, longer, torch.randn(2, 2), timeout=0.2, device="cpu")
+    assert once[0].calls == 1  # at least one pass
+    assert longer[0].calls > 10
+
+
+def test_layers_working_in_place_profile() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    assert sum(balance_by_time(2, model, torch.randn(8, 4), timeout=0.0, device="cpu")) == 4
+    assert sum(balance_by_size(2, model, torch.randn(8, 4), device="cpu")) == 4
+
+
+def test_layers_elsewhere_are_profiled_as_copies_on_the_device() -> None:
+    # The meta device stands in for a GPU: the layers run there, the model stays where it is.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    weights = [p.clone() for p in model.parameters()]
+    assert len(layer_times(model, torch.randn(8, 4), device="meta")) == 3
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    copies = list(layerwise_sandbox(model.eval(), torch.device("meta")))
+    assert all(c.training and all(p.is_meta for p in c.parameters()) for c in copies)
+    assert not model.training
+
+
+def test_parameters_with_gradients_are_fine() -> None:
+    """torchgpipe refuses to profile a model whose parameters have gradients; they are restored here."""
+    model = uneven()
+    model(torch.randn(2, 64)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    balance_by_time(2, model, torch.randn(2, 64), timeout=0.0, device="cpu")
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+
+
+def test_blockpartition_gives_blocks() -> None:
+    assert blockpartition.solve([1, 2, 3, 4, 5, 6], partitions=2) == [[1, 2, 3, 4], [5, 6]]
+    assert blockpartition.solve([4, 7, 7, 3, 6, 9, 6, 2], 3) == [[4, 7], [7, 3, 6], [9, 6, 2]]  # the exact split
+    with pytest.raises(ValueError, match="partitions must be positive"):
+        blockpartition.solve([1], partitions=0)

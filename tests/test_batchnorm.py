@@ -97,3 +97,97 @@ def test_plain_batch_norm_counts_each_microbatch_once_under_rematerialization(
         assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 8
         assert torch.equal(a.running_mean, b.running_mean)
         assert torch.equal(a.running_var, b.running_var)
+
+
+# torchgpipe's standalone use: ``chunks`` micro-batches fed by hand make a mini-batch.
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_standalone_commits_after_chunks_microbatches(momentum: float | None) -> None:
+    torch.manual_seed(3)
+    plain = nn.BatchNorm2d(3, momentum=momentum)
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks=4)
+    assert isinstance(deferred, DeferredBatchNorm) and deferred.chunks == 4
+    for step in range(2):
+        x = torch.randn(16, 3, 5, 5) * 3 + 2
+        before = [deferred.running_mean.clone(), deferred.running_var.clone()]
+        for i, chunk in enumerate(x.chunk(4)):
+            torch.testing.assert_close(deferred(chunk), copy.deepcopy(plain)(chunk))  # own statistics
+            if i < 3:  # not before the last micro-batch
+                assert torch.equal(deferred.running_mean, before[0]) and torch.equal(deferred.running_var, before[1])
+                assert int(deferred.num_batches_tracked) == step
+        plain(x)
+        torch.testing.assert_close(deferred.running_mean, plain.running_mean)
+        torch.testing.assert_close(deferred.running_var, plain.running_var)
+        assert int(deferred.num_batches_tracked) == int(plain.num_batches_tracked) == step + 1
+
+
+def test_standalone_ignores_recomputation_and_eval() -> None:
+    from gpipe.checkpoint import recomputing
+
+    bn = DeferredBatchNorm(3, chunks=2)
+    x = torch.randn(8, 3)
+    bn(x)
+    with recomputing():
+        bn(x)  # a recomputation in backward: not a micro-batch
+    bn.eval()
+    bn(x)
+    assert bn.tracked == 1 and int(bn.num_batches_tracked) == 0
+    bn.train()
+    bn(x)
+    assert bn.tracked == 0 and int(bn.num_batches_tracked) == 1
+
+
+def test_convert_nested_module() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+            self.norm = nn.BatchNorm2d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.conv(x))
+
+    untracked = nn.BatchNorm1d(3, track_running_stats=False)
+    model = nn.Sequential(Block(), nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()), nn.Flatten(2), untracked)
+    norm = model[0].norm
+    assert DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2) is model  # converted in place
+    converted = model[0].norm
+    assert isinstance(converted, DeferredBatchNorm) and isinstance(model[1][0], DeferredBatchNorm)
+    assert converted.chunks == model[1][0].chunks == 2
+    assert converted.weight is norm.weight and converted.running_mean is norm.running_mean  # shared
+    assert model[3] is untracked  # no running statistics: nothing to defer
+    # A DeferredBatchNorm with the same chunks is kept, one with other chunks replaced (as torchgpipe).
+    assert DeferredBatchNorm.convert_deferred_batch_norm(converted, chunks=2) is converted
+    again = DeferredBatchNorm.convert_deferred_batch_norm(converted, chunks=3)
+    assert again is not converted and again.chunks == 3 and again.weight is converted.weight
+    with pytest.raises(ValueError, match=r"chunks: 0"):
+        DeferredBatchNorm(3, chunks=0)
+
+
+def test_pipeline_commits_per_step_whatever_chunks_the_layer_has() -> None:
+    """A model converted by hand for other chunks, and a short last batch (3 micro-batches of the 4
+    asked for): the pipeline still folds each step's micro-batches once, as plain BatchNorm on the
+    whole mini-batch."""
+    torch.manual_seed(4)
+    plain = bn_model()
+    model = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks=1)
+    gp = GPipe(model, [2, 3], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+    for batch in (16, 3):
+        x = torch.randn(batch, 3, 6, 6)
+        plain(x)
+        gp(x).mean().backward()
+    (a,) = [m for m in plain.modules() if isinstance(m, nn.BatchNorm2d)]
+    (b,) = [m for m in gp.modules() if isinstance(m, DeferredBatchNorm)]
+    torch.testing.assert_close(b.running_mean, a.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.running_var, a.running_var, rtol=1e-5, atol=1e-6)
+    assert int(b.num_batches_tracked) == 2
+
+
+def test_loads_a_torchgpipe_state_dict() -> None:
+    """torchgpipe keeps its accumulators ``sum`` and ``sum_squares`` in the state dict."""
+    bn = DeferredBatchNorm(3)
+    state = {**bn.state_dict(), "sum": torch.zeros(3), "sum_squares": torch.zeros(3)}
+    state["running_mean"] = torch.ones(3)
+    bn.load_state_dict(state)  # strict
+    assert torch.equal(bn.running_mean, torch.ones(3))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import GPipe
+from gpipe import GPipe, MovingPartitionError
 
 
 def test_sequential_like_and_attributes() -> None:
@@ -44,3 +44,66 @@ def test_parameters_and_optimizer_step() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.9
+
+
+def test_constructor_coerces_as_torchgpipe() -> None:
+    class Mode:
+        def __str__(self) -> str:
+            return "always"
+
+    gp = GPipe(nn.Sequential(nn.Linear(1, 1)), (1,), devices=("cpu",), chunks=42.0, checkpoint=Mode())  # type: ignore[arg-type]
+    assert gp.chunks == 42 and type(gp.chunks) is int
+    assert gp.checkpoint == "always" and type(gp.checkpoint) is str
+    assert gp.balance == [1] and gp.devices == [torch.device("cpu")]
+    assert isinstance(gp.partitions, nn.ModuleList) and isinstance(gp.partitions[0], nn.Sequential)
+    assert GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks="8").chunks == 8  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"chunks: 'many'"):
+        GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks="many")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"chunks: None"):
+        GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"chunks: True"):
+        GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks=True)
+
+
+def test_empty_module_is_the_identity() -> None:
+    gp = GPipe(nn.Sequential(), [])
+    assert len(gp) == 0 and list(gp) == [] and gp.balance == [] and gp.devices == [] and len(gp.partitions) == 0
+    x = torch.tensor(42.0, requires_grad=True)
+    assert gp(x) is x
+    assert gp((x,)) == (x,)
+    with pytest.raises(TypeError, match="got int"):
+        gp(42)
+    with pytest.raises(ValueError, match="sum of balance: 1"):
+        GPipe(nn.Sequential(), [1])
+    with pytest.raises(ValueError, match=r"balance is required.*gpipe\.balance"):
+        GPipe(nn.Sequential())
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda gp: gp.to(0),
+        lambda gp: gp.to("cuda"),
+        lambda gp: gp.to("cuda:1", torch.float64),
+        lambda gp: gp.to(torch.device("cuda")),
+        lambda gp: gp.to(device=0),
+        lambda gp: gp.to(device="cpu"),
+        lambda gp: gp.to(torch.zeros(1)),
+        lambda gp: gp.to(tensor=torch.zeros(1)),
+        lambda gp: gp.cuda(),
+        lambda gp: gp.cuda(0),
+        lambda gp: gp.cpu(),
+    ],
+)
+def test_moving_raises_moving_partition_error_without_the_device_too(move: object) -> None:
+    gp = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(MovingPartitionError, match="devices="):
+        move(gp)  # type: ignore[operator]
+    assert issubclass(MovingPartitionError, TypeError)
+
+
+def test_dtype_casts_are_allowed() -> None:
+    gp = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu", "cpu"])
+    assert gp.to(torch.float64, True) is gp  # (non_blocking, positionally)
+    assert gp.to(dtype=torch.float16).half().to(device=None, dtype=torch.float32) is gp
+    assert all(p.dtype == torch.float32 for p in gp.parameters())

@@ -29,7 +29,7 @@ _local = threading.local()
 def check_mode(mode: object) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(
-            f"checkpoint is not one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: {mode!r})"
+            f"checkpoint is not one of 'always', 'except_last', or 'never' (checkpoint: {mode!r})"
         )
     return str(mode)
 

@@ -80,10 +80,24 @@ class GPipe(nn.Module):
         sample: Any = None,
     ) -> None:
         super().__init__()
-        self.checkpoint = check_mode(checkpoint)
-        self.chunks = check_chunks(chunks)
+        # As torchgpipe: chunks through int() (42.0, '8'), checkpoint through str(), then checked.
+        self.checkpoint = check_mode(str(checkpoint))
+        self.chunks = _as_chunks(chunks)
         module = as_layers(module, sample)
         balance = as_balance(balance)  # (a NumPy array of counts: a list)
+        if balance is None:
+            raise ValueError(
+                "balance is required: the number of layers of each partition, e.g. [2, 2]; or let "
+                "gpipe.balance find one: balance_by_time(partitions, module, sample), or balance='auto' "
+                "with sample=..."
+            )
+        if len(module) == 0 and isinstance(balance, Sequence) and not isinstance(balance, str) and not balance:
+            # An empty module, as torchgpipe allows: no partitions, no devices; forward is the identity.
+            self.balance: list[int] = []
+            self.devices: list[torch.device] = []
+            self.partitions, self._ties = nn.ModuleList(), []
+            self._executor = LocalExecutor([], cpu_threads=cpu_threads)
+            return
         if balance == "auto":
             if devices is None:
                 raise ValueError("balance='auto' needs devices=[...]: one device per partition to balance over")
@@ -119,8 +133,11 @@ class GPipe(nn.Module):
         raise MovingPartitionError(_MOVE_HINT)
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
+        # Only dtype casts pass. A device (an int or str too) or a tensor is refused before torch parses
+        # it: on a machine without that device torch would fail first, with another error than torchgpipe's.
+        first = args[0] if args else None
+        moving = isinstance(first, (torch.device, str, int, Tensor)) and not isinstance(first, bool)
+        if moving or kwargs.get("device") is not None or "tensor" in kwargs:
             raise MovingPartitionError(_MOVE_HINT)
         return super().to(*args, **kwargs)
 
@@ -129,6 +146,10 @@ class GPipe(nn.Module):
         dict, ...; see :mod:`gpipe.microbatch`), whose tensors are split along dim 0. Returns the
         gathered output, with the structure the last layer gives; gradients reach every tensor of
         ``input`` that requires grad."""
+        if not self.partitions:  # an empty module
+            if not any(isinstance(v, Tensor) for v in flatten(input)[0]):
+                raise TypeError(f"expected a tensor or a pytree of tensors (got {type(input).__name__})")
+            return input
         batches = scatter(input, self.chunks)
         schedule = _fill_drain(len(self.partitions), len(batches))
         inputs, _ = flatten(input)
@@ -150,6 +171,19 @@ class GPipe(nn.Module):
         phony = torch.empty(0, requires_grad=True)  # makes autograd call the backward half
         tensors = _PipelineBackward.apply(backprop, phony, *backprop.grad_inputs)  # type: ignore[no-untyped-call]
         return backprop.assemble(tensors)
+
+
+def _as_chunks(chunks: Any) -> int:
+    """``int(chunks)`` as torchgpipe takes it (42.0 and '8' are fine), then checked positive."""
+    if isinstance(chunks, bool):
+        return check_chunks(chunks)  # (refused: True is no number of micro-batches)
+    try:
+        number = int(chunks)
+    except TypeError:
+        raise TypeError(f"number of chunks must be a positive integer (chunks: {chunks!r})") from None
+    except ValueError:
+        raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})") from None
+    return check_chunks(number)
 
 
 _MOVE_HINT = (

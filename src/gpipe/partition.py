@@ -20,7 +20,8 @@ __all__ = ["as_balance", "check_balance", "resolve_devices", "split_module"]
 
 _BALANCE_HINT = (
     "give one positive layer count per partition, summing to the number of layers, "
-    "e.g. balance=[2, 2] for a 4-layer model on 2 partitions"
+    "e.g. balance=[2, 2] for a 4-layer model on 2 partitions, or let gpipe.balance find one "
+    "(balance_by_time, balance_by_size)"
 )
 
 
@@ -114,7 +115,7 @@ def auto_balance(module: Layers, stages: int, sample: Any, chunks: int) -> list[
             "balance='auto' needs a model built on a real device to time its layers; give a balance list "
             "(or gpipe.balance.solve(costs, K) with your own costs) for meta-device models and layer factories"
         )
-    return balance_by_time(stages, module, sample, chunks=chunks)
+    return balance_by_time(stages, module, sample, chunks=chunks, device=None)  # (timed where the module is)
 
 
 def check_chunks(chunks: Any) -> int:
@@ -288,5 +289,5 @@ def partition(
     layer_devices = [d for count, d in zip(balance, stage_devices) for _ in range(count)]
     untie(model, tied, frozenset(i for i, d in enumerate(layer_devices) if factories and d.type == "meta"))
     if deferred_batch_norm:
-        DeferredBatchNorm.convert_deferred_batch_norm(model)
+        DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=None)  # the stages commit per step
     return balance, workers, split_module(model, balance, stage_devices)

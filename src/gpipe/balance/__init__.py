@@ -9,6 +9,13 @@ Costs per layer (the paper's c_i) come from a measurement or from the user; the 
 
     balance = balance_by_flops(4, model, sample)     # from shapes alone: works on the meta device
     balance = gpipe.balance.solve(my_costs, 4)       # or your own costs
+
+:func:`balance_by_time` and :func:`balance_by_size` have torchgpipe's signatures. They differ from
+torchgpipe's in that the split is the optimal one (torchgpipe's block partitioning is a local search
+that can miss it), ``balance_by_size`` also measures on the CPU (the bytes autograd saves), the
+default ``device='cuda'`` means the CPU on a machine without CUDA, the sample may be any pytree,
+parameters that already have gradients are fine (they are restored), and both take a few keywords of
+their own (``chunks``, ``memory_cap``; ``device=None``: where the module is).
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.balance.profile import layer_flops, layer_memory, layer_params, layer_times, sandbox
+from gpipe.balance import blockpartition
+from gpipe.balance.profile import (
+    layer_flops,
+    layer_memory,
+    layer_params,
+    layer_times,
+    layerwise_sandbox,
+    profiling_device,
+    sandbox,
+)
 from gpipe.balance.solver import solve
 
 __all__ = [
@@ -27,13 +43,18 @@ __all__ = [
     "balance_by_params",
     "balance_by_size",
     "balance_by_time",
+    "blockpartition",
     "layer_flops",
     "layer_memory",
     "layer_params",
     "layer_times",
+    "layerwise_sandbox",
+    "profiling_device",
     "sandbox",
     "solve",
 ]
+
+Device = torch.device | str | int
 
 
 def balance_by_time(
@@ -41,15 +62,31 @@ def balance_by_time(
     module: nn.Sequential,
     sample: Any,
     *,
+    timeout: float = 1.0,
+    device: Device | None = torch.device("cuda"),  # noqa: B008 (torchgpipe's default)
     chunks: int = 1,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
     memory_cap: float | None = None,
 ) -> list[int]:
-    """Profile every layer's forward + backward time on a micro-batch of ``sample`` and split the
-    layers so that the slowest partition is as fast as possible (optionally within a per-partition
-    memory cap, in bytes, measured as :func:`balance_by_size` does)."""
-    times = layer_times(module, sample, chunks=chunks, repeats=repeats, device=device)
+    """Time every layer's forward + backward (in training mode, on a copy where it is not on
+    ``device``) and split the layers so that the slowest partition is as fast as possible.
+
+    Args:
+        partitions: the number of partitions.
+        module: the layers to split.
+        sample: an input of the module, of any batch size (or, with ``chunks``, a mini-batch whose
+            first micro-batch is timed).
+        timeout: keep profiling passes over the layers until this many seconds have passed (at
+            least one pass; a layer's time is its median over the passes).
+        device: where to profile (default: the current CUDA device, or the CPU without CUDA;
+            ``None``: where the module is).
+        chunks: time the first of ``chunks`` micro-batches of ``sample`` (not in torchgpipe).
+        memory_cap: keep each partition within this many bytes, measured as
+            :func:`balance_by_size` does (not in torchgpipe).
+
+    Returns:
+        The number of layers in each partition: the ``balance`` of :class:`gpipe.GPipe`.
+    """
+    times = layer_times(module, sample, chunks=chunks, repeats=1, timeout=timeout, device=device)
     memory = layer_memory(module, sample, chunks=chunks, device=device) if memory_cap is not None else None
     return solve(times, partitions, memory=memory, memory_cap=memory_cap)
 
@@ -57,15 +94,22 @@ def balance_by_time(
 def balance_by_size(
     partitions: int,
     module: nn.Sequential,
-    sample: Any,
+    input: Any,  # (torchgpipe's name)
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
-    device: torch.device | str | None = None,
+    device: Device | None = torch.device("cuda"),  # noqa: B008 (torchgpipe's default)
 ) -> list[int]:
-    """Split the layers so that the partition needing the most memory needs as little as possible
-    (activations of one micro-batch plus ``param_scale`` times the parameters; on CPU too)."""
-    return solve(layer_memory(module, sample, chunks=chunks, param_scale=param_scale, device=device), partitions)
+    """Split the layers so that the partition needing the most memory needs as little as possible.
+
+    A layer's memory is what its forward (in training mode) keeps for backward on one micro-batch of
+    the mini-batch ``input`` split into ``chunks`` — on CUDA the allocator's peak, elsewhere the bytes
+    autograd saves — plus ``param_scale`` times its parameters' bytes: 2.0 counts the weights and
+    their gradients; add the optimizer's state per parameter (SGD with momentum: 3, Adam: 4).
+    ``device``: where to measure (default: the current CUDA device, or the CPU without CUDA;
+    ``None``: where the module is).
+    """
+    return solve(layer_memory(module, input, chunks=chunks, param_scale=param_scale, device=device), partitions)
 
 
 def balance_by_params(partitions: int, module: nn.Sequential | Sequence[nn.Module]) -> list[int]:

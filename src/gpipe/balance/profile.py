@@ -1,34 +1,54 @@
 """Per-layer costs, measured on a sample without leaving a trace on the model.
 
 Every measurement runs in a *sandbox*: the parameters' gradients, the buffers (batch-norm running
-statistics, say) and the random number generators are saved before and restored after, so profiling
-leaves the model exactly as it was. Layers run one after the other on the output of the previous
-one, as in the model.
+statistics, say), the modules' training flags and the random number generators are saved before and
+restored after, so profiling leaves the model exactly as it was. Layers run in training mode (what
+a pipeline spends its time on), one after the other on the output of the previous one, as in the
+model; a layer not on the profiling device is profiled as a copy moved there.
 """
 
 from __future__ import annotations
 
+import copy
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch, scatter
 
-__all__ = ["layer_flops", "layer_memory", "layer_params", "layer_times"]
+__all__ = ["layer_flops", "layer_memory", "layer_params", "layer_times", "layerwise_sandbox", "profiling_device"]
+
+
+def profiling_device(device: torch.device | str | int | None, module: nn.Module) -> torch.device:
+    """Where to profile: ``device``; ``None``: where ``module`` is (its first parameter, else the
+    CPU). The current CUDA device for an unindexed ``'cuda'`` — or the CPU on a machine without
+    CUDA, so that ``balance_by_time``'s default (torchgpipe's ``'cuda'``) works everywhere."""
+    if device is None:
+        return next(module.parameters(), torch.empty(0)).device
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return dev
 
 
 @contextmanager
-def sandbox(module: nn.Module) -> Iterator[None]:
-    """Run anything on ``module`` and leave its gradients, buffers and the RNGs as they were."""
+def sandbox(module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
+    """Run anything on ``module`` (and on ``device``) and leave its gradients, buffers, training
+    flags and the RNGs as they were."""
     grads = {p: p.grad for p in module.parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    modes = {m: m.training for m in module.modules()}
+    cuda = [t.device for t in (*module.parameters(), *module.buffers()) if t.device.type == "cuda"]
+    if device is not None and device.type == "cuda":
+        cuda.append(device)
+    indices = sorted({d.index if d.index is not None else torch.cuda.current_device() for d in cuda})
+    with torch.random.fork_rng(devices=indices):
         try:
             for p in grads:
                 p.grad = None
@@ -36,14 +56,36 @@ def sandbox(module: nn.Module) -> Iterator[None]:
         finally:
             for p, g in grads.items():
                 p.grad = g
+            for m, training in modes.items():
+                m.training = training
             with torch.no_grad():
                 for name, b in module.named_buffers():
                     if name in buffers:
                         b.copy_(buffers[name])
 
 
+def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+    """Each layer of ``module`` as a copy on ``device``, in training mode; ``module`` is untouched
+    (torchgpipe's helper; the profilers here copy only the layers not on the device)."""
+    for layer in module:
+        yield copy.deepcopy(layer).to(device).train()
+
+
+def _on(layer: nn.Module, device: torch.device) -> bool:
+    return all(t.device == device for t in (*layer.parameters(), *layer.buffers()))
+
+
 def _leaves(batch: Batch) -> Batch:
-    return batch.map(lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()))
+    """Fresh inputs for a layer: detached copies, requiring grad where they can (as a stage's input
+    does), and not leaves themselves, so that layers working in place run as they do in a pipeline
+    (and leave ``batch`` untouched for the next run)."""
+
+    def fresh(t: Tensor) -> Tensor:
+        if t.is_floating_point() or t.is_complex():
+            return t.detach().requires_grad_().clone()
+        return t.detach().clone()
+
+    return batch.map(fresh)
 
 
 def _backward(outputs: Batch) -> None:
@@ -61,35 +103,60 @@ def _first_micro_batch(sample: Any, chunks: int, device: torch.device) -> Batch:
     return scatter(sample, chunks)[0].map(lambda t: t.to(device))
 
 
-def _each_layer(module: nn.Sequential, batch: Batch) -> Iterator[tuple[nn.Module, Batch]]:
-    """Every layer with its input, the previous layers' output on ``batch``, in a sandbox."""
-    with sandbox(module):
-        for layer in module:
+@contextmanager
+def _training_layers(module: nn.Sequential, device: torch.device | None) -> Iterator[list[nn.Module]]:
+    """``module``'s layers in training mode, in a sandbox; each one not on ``device`` as a copy
+    moved there (``None``: as they are)."""
+    with sandbox(module, device):
+        module.train()
+        yield [layer if device is None or _on(layer, device) else copy.deepcopy(layer).to(device) for layer in module]
+
+
+def _each_layer(
+    module: nn.Sequential, batch: Batch, device: torch.device | None = None
+) -> Iterator[tuple[nn.Module, Batch]]:
+    """Every layer (in training mode, on ``device``) with its input, the previous layers' output on
+    ``batch``, in a sandbox."""
+    with _training_layers(module, device) as layers:
+        for layer in layers:
             yield layer, batch
-            with torch.no_grad():
-                batch = Batch.of(layer(batch.value))
+            with torch.no_grad():  # (on a copy: a layer working in place leaves the caller's input be)
+                batch = Batch.of(layer(batch.map(Tensor.clone).value))
 
 
 def layer_times(
-    module: nn.Sequential, sample: Any, *, chunks: int = 1, repeats: int = 3, device: torch.device | str | None = None
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    chunks: int = 1,
+    repeats: int = 3,
+    timeout: float = 0.0,
+    device: torch.device | str | int | None = None,
 ) -> list[float]:
-    """Each layer's forward + backward time (seconds, the median of ``repeats`` runs) on the first
-    micro-batch of ``sample``."""
-    dev = torch.device(device) if device is not None else next(module.parameters(), torch.empty(0)).device
-    batch = _first_micro_batch(sample, chunks, dev)
-    times = []
-    for layer, inputs in _each_layer(module, batch):
-        runs = []
-        for _ in range(repeats):
-            leaves = _leaves(inputs)
-            _sync(dev)
-            start = time.perf_counter()
-            outputs = Batch.of(layer(leaves.value))
-            _backward(outputs)
-            _sync(dev)
-            runs.append(time.perf_counter() - start)
-        times.append(sorted(runs)[len(runs) // 2])
-    return times
+    """Each layer's forward + backward time in seconds on the first micro-batch of ``sample``, in
+    training mode on ``device`` (default: where the module is).
+
+    Profiling runs passes over all the layers, each layer on the previous one's output: at least
+    ``repeats`` passes, and more until ``timeout`` seconds have passed. A layer's time is its median
+    over the passes; the first pass, a warm-up, counts only when it is the only one."""
+    dev = profiling_device(device, module)
+    runs: list[list[float]] = [[] for _ in module]
+    with _training_layers(module, dev) as layers:
+        first = _first_micro_batch(sample, chunks, dev)
+        start, passes = time.perf_counter(), 0
+        while passes < max(repeats, 1) or time.perf_counter() - start < timeout:
+            batch = first
+            for i, layer in enumerate(layers):
+                inputs = _leaves(batch)
+                _sync(dev)
+                tick = time.perf_counter()
+                outputs = Batch.of(layer(inputs.value))
+                _backward(outputs)
+                _sync(dev)
+                runs[i].append(time.perf_counter() - tick)
+                batch = outputs.map(Tensor.detach)
+            passes += 1
+    return [statistics.median(r[1:] or r) for r in runs]
 
 
 def layer_memory(
@@ -98,16 +165,17 @@ def layer_memory(
     *,
     chunks: int = 1,
     param_scale: float = 2.0,
-    device: torch.device | str | None = None,
+    device: torch.device | str | int | None = None,
 ) -> list[float]:
-    """Each layer's memory in bytes: what its forward keeps for backward on one micro-batch (on
-    CUDA, the allocator's peak; elsewhere, the bytes of the tensors autograd saves), plus
-    ``param_scale`` times its parameters' bytes (2.0: the weights and their gradients; add the
-    optimizer's state, e.g. 4.0 for Adam)."""
-    dev = torch.device(device) if device is not None else next(module.parameters(), torch.empty(0)).device
+    """Each layer's memory in bytes: what its forward (in training mode) keeps for backward on one
+    micro-batch of ``sample`` (on CUDA, the allocator's peak; elsewhere, the bytes of the tensors
+    autograd saves), plus ``param_scale`` times its parameters' bytes (2.0: the weights and their
+    gradients; add the optimizer's state, e.g. 4.0 for Adam). Measured on ``device`` (default:
+    where the module is)."""
+    dev = profiling_device(device, module)
     batch = _first_micro_batch(sample, chunks, dev)
     sizes = []
-    for layer, inputs in _each_layer(module, batch):
+    for layer, inputs in _each_layer(module, batch, dev):
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         sizes.append(_activation_bytes(layer, _leaves(inputs), dev) + param_scale * params)
     return sizes
