@@ -39,10 +39,13 @@ def _fill_drain(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 class GPipe(nn.Module):
-    """Wraps an ``nn.Sequential`` to train it with GPipe's pipeline parallelism.
+    """Wraps an ``nn.Sequential`` (or any module, traced into layers) to train it with GPipe's
+    pipeline parallelism.
 
     Args:
-        module: the layers, in order.
+        module: the layers, in order; or any other module, traced into layers on ``sample`` by
+            :func:`gpipe.to_sequential` (not in torchgpipe). Parameters that layers of different
+            partitions share are tied: a copy on each, their gradients summed after backward.
         balance: the number of layers in each partition, e.g. ``[3, 2]``; or ``'auto'``: time each
             layer on ``sample`` and split exactly over ``devices`` (see :mod:`gpipe.balance`).
         devices: one device per partition (default: the CUDA devices, or ``'cpu'`` for every
@@ -57,7 +60,8 @@ class GPipe(nn.Module):
             By default the caller's threads are shared out among the CPU partitions. CPU kernels
             may sum in another order with another thread count, so fix this (e.g. to 1) for
             gradients bitwise identical across partition counts on CPU.
-        sample: a mini-batch to time the layers on, for ``balance='auto'`` (not in torchgpipe).
+        sample: a mini-batch to trace a module that is not an ``nn.Sequential``, and to time the
+            layers on for ``balance='auto'`` (not in torchgpipe).
 
     Example::
 
