@@ -417,3 +417,83 @@ def test_init_fn_initializes_meta_layers_without_reset_parameters() -> None:
     pipe = gpipe.Pipeline(model, [1, 1], chunks=1, loss_fn=F.mse_loss, devices=["cpu"] * 2, init_fn=init)
     a, b = (p for _, p in pipe.named_parameters())
     assert not a.is_meta and not torch.equal(a, b)  # seeded per layer
+
+
+class _Halves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, c = x.shape
+        return self.lin(x).reshape(b, n // 2, 2, c).reshape(b, n // 2 * 2, c)
+
+
+class _SizesShared(nn.Module):
+    """The code after the blocks reads ``n // 2`` as the blocks do: export computes it once, inside
+    a block's call (as Swin's window counts), and the cut must compute it again outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Halves(), _Halves()])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        b, n, c = x.shape
+        return self.head(x.reshape(b, n // 2, 2, c).mean(2))
+
+
+def test_sizes_computed_inside_a_block_are_computed_again_after_it() -> None:
+    model = _SizesShared().eval()
+    layers = to_sequential(model, torch.randn(3, 6, 4)).eval()
+    for x in (torch.randn(3, 6, 4), torch.randn(5, 8, 4)):  # other sizes than traced
+        value: Any = x
+        for layer in layers:
+            value = layer(value)
+        assert torch.equal(value, model(x))
+
+
+class _Depth(nn.Module):
+    """Stochastic depth as torchvision writes it: random only in training, decided in Python."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        keep = torch.empty(x.shape[0], 1, device=x.device).bernoulli_(0.5)
+        return x * keep / 0.5
+
+
+class _Glued(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.depth = _Depth()
+        self.drop = nn.Dropout(0.5, inplace=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = self.depth(block(x))
+        return self.head(self.drop(x))
+
+
+def test_mode_dependent_modules_in_the_glue_follow_the_mode() -> None:
+    """Traced in training mode, an in-place dropout and a module drawing random numbers between the
+    blocks still do nothing in eval mode, and draw in training."""
+    model = _Glued()
+    layers = to_sequential(model, torch.randn(8, 4))
+    x = torch.randn(8, 4)
+    layers.eval()
+    model.eval()
+    value: Any = x.clone()
+    for layer in layers:
+        value = layer(value)
+    assert torch.equal(value, model(x))
+    layers.train()
+    torch.manual_seed(0)
+    trained: Any = x.clone()
+    for layer in layers:
+        trained = layer(trained)
+    assert not torch.equal(trained, value)

@@ -262,6 +262,10 @@ _DROPOUTS = {
     torch.ops.aten.feature_dropout.default,
     torch.ops.aten.alpha_dropout.default,
     torch.ops.aten.feature_alpha_dropout.default,
+    torch.ops.aten.dropout_.default,  # nn.Dropout(inplace=True)
+    torch.ops.aten.feature_dropout_.default,
+    torch.ops.aten.alpha_dropout_.default,
+    torch.ops.aten.feature_alpha_dropout_.default,
 }
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -338,18 +342,37 @@ class _Coarse:
         self.block_calls: list[fx.Node] = []
         self._dropouts = 0
         self._user: fx.Node | None = None  # the traced node being copied (whose parameters are named after it)
+        self._nodes: dict[str, fx.Node] = {n.name: n for n in ep.graph.nodes}
         self._build()
 
     # -- what a node's argument becomes ---------------------------------------------------------
     def _fetch(self, name: str) -> Any:
         source = self.input_sources.get(name)
         if source is None:
-            return self.env[name]
+            found = self.env.get(name)
+            return found if found is not None or name in self.env else self._size_from_inside(name)
         kind, target = source
         if kind in ("param", "buffer") and self._user is not None:
             target = self._own_name(target, self._user)
             self.attrs.setdefault(target, self.attrs[source[1]])
         return self.graph.get_attr(target)  # parameters, buffers, constants: fetched where they are used
+
+    def _size_from_inside(self, name: str) -> Any:
+        """A value the glue reads that the trace computed inside a kept module's call (export shares
+        a size expression, such as a window count from ``x.shape``, between the call and the code
+        after it): computed again here, from what it depends on. Only sizes: a tensor computed
+        inside a call is not the glue's to recompute."""
+        node = self._nodes.get(name)
+        value = node.meta.get("val") if node is not None else None
+        if node is None or node.op != "call_function" or isinstance(value, Tensor):
+            raise ToSequentialError(
+                f"the code between blocks reads {name}, a value computed inside a block's call that the block does "
+                f"not return; {_WAYS_OUT}"
+            )
+        new = self.graph.call_function(node.target, self._arg(node.args), self._arg(node.kwargs))  # type: ignore[arg-type]
+        new.meta = dict(node.meta)
+        self.env[name] = new
+        return new
 
     def _own_name(self, target: str, user: fx.Node) -> str:
         """The name a shared parameter has in the module that uses it (export names every shared
@@ -607,8 +630,36 @@ def to_sequential(
     if device.type == "meta":  # a model built on the meta device traces on meta inputs
         args, kwargs, packed = pytree.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs, packed))
     ep = _export(module, args, kwargs, blocks + norms)
+    drawing = _drawing_outside(ep, set(blocks + norms))
+    if drawing:  # modules drawing random numbers in the glue (stochastic depth) run as themselves
+        norms = norms + drawing
+        ep = _export(module, args, kwargs, blocks + norms)
     coarse = _Coarse(module, ep, blocks, norms, device)
     return _cut(module, ep, coarse, args, kwargs, packed, tail=split_points is None)
+
+
+_RANDOM = frozenset(
+    {"bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+     "normal", "normal_", "uniform_", "exponential_", "multinomial", "native_dropout", "rrelu_with_noise"}
+)  # fmt: skip
+
+
+def _drawing_outside(ep: ExportedProgram, kept: set[str]) -> list[str]:
+    """Modules outside the kept ones whose traced operators draw random numbers (other than a
+    dropout, which the glue follows the mode for): traced in training mode, they would draw in
+    eval too (torchvision's ``StochasticDepth`` branches on ``self.training``). Kept as modules,
+    they decide at run time. The innermost module of each such operator; none for the root's own."""
+    found: list[str] = []
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or _call_key(node, kept) is not None:
+            continue
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name not in _RANDOM:
+            continue
+        owner = _innermost(node)
+        if owner and owner not in found:
+            found.append(owner)
+    return found
 
 
 def _input_order(
