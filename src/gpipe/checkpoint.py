@@ -28,9 +28,7 @@ _local = threading.local()
 
 def check_mode(mode: object) -> str:
     if mode not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"checkpoint is not one of 'always', 'except_last', or 'never' (checkpoint: {mode!r})"
-        )
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (checkpoint: {mode!r})")
     return str(mode)
 
 
