@@ -64,7 +64,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
-__all__ = ["ToSequentialError", "pack", "repeated_blocks", "to_sequential"]
+__all__ = ["ToSequentialError", "as_layers", "pack", "repeated_blocks", "to_sequential", "unpack"]
 
 
 class ToSequentialError(RuntimeError):
@@ -521,7 +521,7 @@ class _Coarse:
                 )
             else:
                 raise ToSequentialError(f"the traced module has an output of kind {spec.kind.name}, not supported")
-        self.output = self.graph.output(tuple(user))
+        self.graph.output(tuple(user))
 
 
 def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Sequence[str]) -> ExportedProgram:
@@ -533,7 +533,6 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ke
             lambda v: {d: Dim.AUTO for d in range(v.dim())} if isinstance(v, Tensor) else None, value
         )
 
-    dynamic = {"args": None, "kwargs": None}
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
     except TypeError as e:

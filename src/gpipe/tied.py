@@ -122,12 +122,15 @@ def shared(model: nn.Sequential, balance: Sequence[int]) -> list[list[str]]:
     if not isinstance(model, nn.Sequential):
         return []
     holders: dict[int, list[tuple[int, str]]] = {}
-    owners: dict[int, set[int]] = {}  # per parameter, the modules holding it
+    owners: dict[int, dict[int, int]] = {}  # per parameter: each module holding it -> its layer
+    shared_module: set[int] = set()  # parameters of a module that several layers hold
     for i, layer in enumerate(model):
         if i >= sum(balance):
             break
         for name, p in layer.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(p), set()).add(id(layer.get_submodule(name.rpartition(".")[0])))
+            owner = id(layer.get_submodule(name.rpartition(".")[0]))
+            if owners.setdefault(id(p), {}).setdefault(owner, i) != i:
+                shared_module.add(id(p))
             found = holders.setdefault(id(p), [])
             if all(j != i for j, _ in found):
                 found.append((i, name))
@@ -135,7 +138,7 @@ def shared(model: nn.Sequential, balance: Sequence[int]) -> list[list[str]]:
     return [
         [f"{i}.{name}" for i, name in found]
         for key, found in holders.items()
-        if len(found) > 1 and len(owners[key]) == len(found)
+        if len(found) > 1 and key not in shared_module
     ]
 
 
