@@ -244,9 +244,10 @@ def unet_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 2, 8, 8, generator=g), torch.randn(8, 2, 8, 8, generator=g)
 
 
-def unet_step(schedule: str, chunks: int) -> dict[str, Any]:
+def unet_step(schedule: str, chunks: int, generators: bool = False) -> dict[str, Any]:
+    """One step of the U-Net: skips as plain calls, or (``generators``) torchgpipe's protocol."""
     world = int(os.environ["WORLD_SIZE"])
-    model = unet()
+    model = generator_unet() if generators else unet()
     pipe = Pipeline(model, even(len(model), world), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss)
     x, y = unet_data()
     return {"loss": pipe.step(x, y), "grads": grads_of(pipe)}
@@ -590,11 +591,3 @@ def generator_unet() -> nn.Sequential:
         nn.Conv2d(6, 6, 3, padding=1), GenUp(6, 6, 4).isolate(inner), GenUp(4, 4, 2).isolate(outer),
         nn.Conv2d(2, 2, 1),
     )  # fmt: skip
-
-
-def generator_unet_step(schedule: str, chunks: int) -> dict[str, Any]:
-    world = int(os.environ["WORLD_SIZE"])
-    model = generator_unet()
-    pipe = Pipeline(model, even(len(model), world), chunks=chunks, schedule=schedule, loss_fn=F.mse_loss)
-    x, y = unet_data()
-    return {"loss": pipe.step(x, y), "grads": grads_of(pipe)}

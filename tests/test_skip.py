@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from tests.dist_harness import run_ranks
 from tests.helpers import assert_all_close, even, step
 
 
-def plain() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = dist_cases.unet()
+def plain(build: Callable[[], nn.Sequential] = dist_cases.unet) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build()
     x, y = dist_cases.unet_data()
     loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -65,10 +66,15 @@ def test_unet_with_gpipe_front_end(stages: int) -> None:
     assert_all_close(grads, grads_plain)
 
 
-@pytest.mark.parametrize(("world", "schedule"), [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")])
-def test_unet_across_processes(tmp_path: Path, world: int, schedule: str) -> None:
-    ranks = run_ranks("unet_step", world, tmp_path, schedule=schedule, chunks=4)
-    loss_plain, grads_plain = plain()
+@pytest.mark.parametrize(
+    ("world", "schedule", "generators"),
+    [(2, "gpipe", False), (2, "1f1b", False), (4, "gpipe", False), (4, "1f1b", False), (2, "1f1b", True)],
+)
+def test_unet_across_processes(tmp_path: Path, world: int, schedule: str, generators: bool) -> None:
+    """Plain-call skips, and (``generators``) torchgpipe's protocol with namespaces: numbered in
+    creation order, every rank names them alike."""
+    ranks = run_ranks("unet_step", world, tmp_path, schedule=schedule, chunks=4, generators=generators)
+    loss_plain, grads_plain = plain(dist_cases.generator_unet if generators else dist_cases.unet)
     merged = by_layer({n: g for r in ranks for n, g in r["grads"].items()})
     assert set(merged) == set(grads_plain)
     for r in ranks:

@@ -1,12 +1,11 @@
 """torchgpipe's skip-connection API: ``yield stash(...)`` / ``x = yield pop(...)``, ``Namespace``
 and ``isolate`` to use one pair of layer classes twice, ``verify_skippables`` — in plain
-``nn.Sequential`` use, in both front ends under every schedule, and across processes."""
+``nn.Sequential`` use and in both front ends under every schedule (across processes:
+tests/test_skip.py)."""
 
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from torch import nn
 import gpipe
 from gpipe.skip import Namespace, SkipError, pop, skippable, stash, verify_skippables
 from tests import dist_cases
-from tests.dist_harness import run_ranks
 from tests.helpers import even
+from tests.test_skip import by_layer
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
@@ -37,10 +36,6 @@ def plain_grads() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     loss = F.mse_loss(out, y)
     loss.backward()
     return out.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def by_layer(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {re.sub(r"^partitions\.\d+\.", "", n): g for n, g in named.items()}
 
 
 def test_the_generator_unet_runs_plainly_and_reuses_its_classes() -> None:
@@ -79,17 +74,6 @@ def test_gpipe_front_end_equals_plain(k: int) -> None:
     F.mse_loss(out, y).backward()
     grads = by_layer({n: p.grad for n, p in net.named_parameters() if p.grad is not None})
     for name, g in grads.items():
-        torch.testing.assert_close(g, grads_plain[name], msg=name)
-
-
-def test_generator_unet_across_processes(tmp_path: Path) -> None:
-    ranks = run_ranks("generator_unet_step", 2, tmp_path, schedule="1f1b", chunks=4)
-    _, loss_plain, grads_plain = plain_grads()
-    merged = by_layer({n: g for r in ranks for n, g in r["grads"].items()})
-    assert set(merged) == set(grads_plain)
-    for r in ranks:
-        torch.testing.assert_close(r["loss"], loss_plain)
-    for name, g in merged.items():
         torch.testing.assert_close(g, grads_plain[name], msg=name)
 
 

@@ -170,8 +170,7 @@ class GPipe(nn.Module):
         run, outputs = self._executor.forward(schedule, batches, ctx)
         if not ctx.grad_enabled:
             return gather(outputs)
-        backprop = _Backprop(self._executor, schedule, run, outputs, inputs, needs_grad)
-        backprop.ties = self._ties
+        backprop = _Backprop(self._executor, schedule, run, outputs, inputs, needs_grad, self._ties)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call the backward half
         tensors = _PipelineBackward.apply(backprop, phony, *backprop.grad_inputs)  # type: ignore[no-untyped-call]
         return backprop.assemble(tensors)
@@ -199,8 +198,6 @@ _MOVE_HINT = (
 class _Backprop:
     """The bridge between autograd and the backward half of a step."""
 
-    ties: Sequence[Tie] = ()
-
     def __init__(
         self,
         executor: LocalExecutor,
@@ -209,8 +206,10 @@ class _Backprop:
         outputs: list[Batch],
         inputs: tuple[Any, ...],
         needs_grad: list[bool],
+        ties: Sequence[Tie],
     ) -> None:
         self.executor, self.schedule, self.run, self.outputs = executor, schedule, run, outputs
+        self.ties = ties
         self.inputs = inputs
         self.grad_positions = [i for i, n in enumerate(needs_grad) if n]
         self.grad_inputs = [inputs[i] for i in self.grad_positions]

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Batch", "concat", "flatten", "gather", "scatter"]
+__all__ = ["Batch", "as_dicts", "concat", "flatten", "gather", "scatter"]
 
 # The leaves a plain tuple may hold and still skip pytree's flattening (they are pytree leaves).
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device})
@@ -58,9 +58,19 @@ def flatten(value: Any) -> tuple[tuple[Any, ...], TreeSpec | None]:
         return value, _flat_spec(len(value))
     leaves, spec = pytree.tree_flatten(value)
     if any(isinstance(v, Mapping) for v in leaves):
-        value = pytree.tree_unflatten([dict(v) if isinstance(v, Mapping) else v for v in leaves], spec)
-        return flatten(value)
+        return flatten(_mappings_as_dicts(leaves, spec))
     return tuple(leaves), spec
+
+
+def as_dicts(value: Any) -> Any:
+    """``value`` with every Mapping pytree does not know (a ``UserDict``, a tokenizer's
+    ``BatchEncoding``) turned into a dict, at any depth."""
+    leaves, spec = pytree.tree_flatten(value)
+    return _mappings_as_dicts(leaves, spec) if any(isinstance(v, Mapping) for v in leaves) else value
+
+
+def _mappings_as_dicts(leaves: list[Any], spec: TreeSpec) -> Any:
+    return as_dicts(pytree.tree_unflatten([dict(v) if isinstance(v, Mapping) else v for v in leaves], spec))
 
 
 @dataclass(frozen=True, slots=True)

@@ -261,9 +261,6 @@ class Pipeline(nn.Module):
             )
         self._ties = self._distributed_ties(partitions, tied, replicas, mine)
 
-    def _layer(self, partitions: Sequence[nn.Sequential], index: int) -> tuple[int, nn.Module]:
-        return layer_at(partitions, self.balance, index)
-
     def _distributed_ties(
         self,
         partitions: Sequence[nn.Sequential],
@@ -278,7 +275,7 @@ class Pipeline(nn.Module):
         assert isinstance(self._executor, DistributedExecutor)
         timeout = timedelta(seconds=self._executor.timeout)
         for members in untie_names(tied):
-            stages = [self._layer(partitions, i)[0] for i, _ in members]
+            stages = [layer_at(partitions, self.balance, i)[0] for i, _ in members]
             tie = Tie(members)
             for ranks in replicas:
                 holders = sorted({ranks[s % k] for s in stages})
@@ -287,7 +284,9 @@ class Pipeline(nn.Module):
                 if me in ranks:
                     tie.group, tie.owner = group, ranks[stages[0] % k]
             tie.local = [
-                self._layer(partitions, i)[1].get_parameter(path) for (i, path), s in zip(members, stages) if s in mine
+                layer_at(partitions, self.balance, i)[1].get_parameter(path)
+                for (i, path), s in zip(members, stages)
+                if s in mine
             ]
             with collective(f"broadcast of tied parameter {_tie_name(tie)}", tie.group):
                 tie.sync_values()

@@ -64,6 +64,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
+from gpipe.microbatch import as_dicts
+
 __all__ = ["ToSequentialError", "as_layers", "pack", "repeated_blocks", "to_sequential", "unpack"]
 
 
@@ -123,17 +125,6 @@ def _has_tensor(value: Any) -> bool:
     return any(isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(value))
 
 
-def _as_dicts(value: Any) -> Any:
-    """Mappings pytree does not know (a tokenizer's ``BatchEncoding``) as plain dicts."""
-    if isinstance(value, Mapping) and not isinstance(value, dict):
-        return {k: _as_dicts(v) for k, v in value.items()}
-    if isinstance(value, dict):
-        return {k: _as_dicts(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_as_dicts(v) for v in value)
-    return value
-
-
 Shape = tuple[int | tuple[str, int, int | None] | None, ...]
 """Per dimension of a traced input tensor: its size, or (symbol, lowest, highest) where it is
 dynamic, or None where it is an expression of symbols (not checked)."""
@@ -179,7 +170,7 @@ class _Inputs(nn.Module):
         return spec
 
     def forward(self, inputs: Any) -> list[Any]:
-        leaves, spec = pytree.tree_flatten(_as_dicts(inputs))
+        leaves, spec = pytree.tree_flatten(as_dicts(inputs))
         if spec != self.spec:
             raise TypeError(
                 f"the first layer takes inputs structured as the example it was traced with: {self.spec}, got {spec}"
@@ -613,8 +604,8 @@ def to_sequential(
             f"{type(module).__name__} has no repeated blocks or children with parameters to cut at; "
             "name the cut points with split_points=[...]"
         )
-    kwargs = {k: _as_dicts(v) for k, v in example_kwargs.items()}
-    args = tuple(_as_dicts(a) for a in example_args)
+    kwargs = {k: as_dicts(v) for k, v in example_kwargs.items()}
+    args = tuple(as_dicts(a) for a in example_args)
     if "use_cache" in inspect.signature(module.forward).parameters and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # a training pipeline has no use for a key/value cache
     settings = {k: v for k, v in kwargs.items() if not _has_tensor(v)}
@@ -815,7 +806,7 @@ def unpack(module: nn.Module, sample: Any) -> tuple[tuple[Any, ...], dict[str, A
     """The call ``module(*args, **kwargs)`` a packed input stands for (the inverse of :func:`pack`):
     a dict is keyword arguments (unless the forward takes it as its one argument), a tuple
     positional arguments, anything else the one argument."""
-    sample = _as_dicts(sample)
+    sample = as_dicts(sample)
     if isinstance(sample, dict):
         try:
             inspect.signature(module.forward).bind(**sample)
