@@ -61,7 +61,7 @@ def test_non_interleaved_schedules_refuse_virtual_stages() -> None:
 
 
 def _split(*workers: list[object]) -> Schedule:
-    return Schedule("test", len(workers), 1, tuple(tuple(w) for w in workers))  # type: ignore[misc]
+    return Schedule("test", len(workers), 1, tuple(tuple(w) for w in workers), tuple(range(len(workers))))  # type: ignore[misc]
 
 
 def test_validator_on_split_backward() -> None:

@@ -50,7 +50,7 @@ def test_execution_order_respects_dependencies() -> None:
 
 
 def _schedule(*workers: list[object]) -> Schedule:
-    return Schedule("test", len(workers), 2, tuple(tuple(w) for w in workers))  # type: ignore[misc]
+    return Schedule("test", len(workers), 2, tuple(tuple(w) for w in workers), tuple(range(len(workers))))  # type: ignore[misc]
 
 
 def test_validator_rejects_missing_action() -> None:
@@ -85,7 +85,7 @@ def test_validator_rejects_deadlock() -> None:
 def test_validator_rejects_out_of_range_and_split_stage() -> None:
     with pytest.raises(ScheduleError, match="out of range"):
         validate(_schedule([F(0, 0), F(5, 0)], [F(0, 1)]))
-    with pytest.raises(ScheduleError, match="stage 0 already runs on worker 0"):
+    with pytest.raises(ScheduleError, match="stage 0 is placed on worker 0"):
         validate(_schedule([F(0, 0), F(1, 0)], [F(0, 1), F(1, 1), B(1, 0)]))
 
 

@@ -41,9 +41,13 @@ class StepTrace:
         rank records only its own actions: the timeline then holds this rank's worker alone."""
         t0 = self.origin_ns
         spans = {e.action: ((e.start_ns - t0) / 1e9, (e.end_ns - t0) / 1e9) for e in self.events}
-        recorded = tuple(tuple(a for a in acts if a in spans) for acts in self.schedule.actions)
-        schedule = Schedule(self.schedule.name, self.schedule.num_stages, self.schedule.num_microbatches,
-                            tuple(acts for acts in recorded if acts))  # fmt: skip
+        sched = self.schedule
+        recorded = tuple(tuple(a for a in acts if a in spans) for acts in sched.actions)
+        workers = [w for w, acts in enumerate(recorded) if acts]
+        index = {w: i for i, w in enumerate(workers)}
+        placement = tuple(index.get(w, -1) for w in sched.placement)  # (-1: a stage recorded elsewhere)
+        schedule = Schedule(sched.name, sched.num_stages, sched.num_microbatches,
+                            tuple(recorded[w] for w in workers), placement)  # fmt: skip
         return Simulation(schedule, spans)
 
     def costs(self) -> dict[Action, float]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpipe.schedule.ir import B, F, I, Schedule, ScheduleError, W, check_sizes, validate
+from gpipe.schedule.ir import B, F, I, Schedule, ScheduleError, W, check_sizes, round_robin, validate
 
 __all__ = ["SCHEDULES", "fill_drain", "interleaved_1f1b", "make_schedule", "one_f_one_b", "zb_h1"]
 
@@ -52,7 +52,7 @@ def fill_drain(workers: int, microbatches: int, virtual: int = 1) -> Schedule:
     check_sizes(workers, microbatches)
     ms = range(microbatches)
     acts = tuple(tuple(F(m, s) for m in ms) + tuple(B(m, s) for m in reversed(ms)) for s in range(workers))
-    return Schedule("gpipe", workers, microbatches, acts)
+    return Schedule("gpipe", workers, microbatches, acts, round_robin(workers, workers))
 
 
 def one_f_one_b(workers: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -67,7 +67,7 @@ def one_f_one_b(workers: int, microbatches: int, virtual: int = 1) -> Schedule:
             seq += [F(warmup + i, s), B(i, s)]
         seq += [B(m, s) for m in range(microbatches - warmup, microbatches)]
         acts.append(tuple(seq))
-    return Schedule("1f1b", workers, microbatches, tuple(acts))
+    return Schedule("1f1b", workers, microbatches, tuple(acts), round_robin(workers, workers))
 
 
 def interleaved_1f1b(workers: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -96,7 +96,7 @@ def interleaved_1f1b(workers: int, microbatches: int, virtual: int = 2) -> Sched
                 seq += [F(*fwd[warmup + i]), B(*bwd[i])]
             seq += [B(*a) for a in bwd[len(fwd) - warmup :]]
             acts.append(tuple(seq))
-        return Schedule("interleaved-1f1b", k * v, microbatches, tuple(acts))
+        return Schedule("interleaved-1f1b", k * v, microbatches, tuple(acts), round_robin(k * v, k))
 
     # Megatron's warm-up assumes M divisible by K; for a partial last group, warm up a little more
     # until the schedule is deadlock-free (at worst all forwards first, which always is).
@@ -134,7 +134,7 @@ def zb_h1(workers: int, microbatches: int, virtual: int = 1) -> Schedule:
             seq += [I(m, s), W(next(weights), s)]
         seq += [W(m, s) for m in weights]
         acts.append(tuple(seq))
-    return Schedule("zb-h1", workers, microbatches, tuple(acts))
+    return Schedule("zb-h1", workers, microbatches, tuple(acts), round_robin(workers, workers))
 
 
 Generator = Callable[[int, int, int], Schedule]

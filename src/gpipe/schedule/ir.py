@@ -16,8 +16,12 @@ Dependencies are implied by the model and are the same for every schedule::
     B|I(m, s)  needs F(m, s) and B|I(m, s+1)     its own forward, the gradient from the next stage
     W(m, s)    needs I(m, s)
 
-With virtual stages (interleaved schedules) a worker holds several stages; stage ``s`` is wherever its
-actions are. Schedules are generated (:mod:`gpipe.schedule.generate`), validated here, simulated
+A schedule also says where every stage lives: ``placement[s]`` is the worker that holds stage ``s``
+(its layers, its activations, its gradients). Everything that places stages — partitioning, tied
+parameters, saving, the executors' transports — reads it from here (through
+:class:`gpipe.placement.Placement`); a V-shaped schedule (stage ``s`` and ``2K-1-s`` on one worker) thus
+runs with no special case anywhere else. With virtual stages a worker holds several stages.
+Schedules are generated (:mod:`gpipe.schedule.generate`), validated here, simulated
 (:mod:`gpipe.schedule.simulate`) and then executed; executors only ever see this IR.
 """
 
@@ -34,6 +38,8 @@ __all__ = [
     "ScheduleError",
     "dependencies",
     "execution_order",
+    "round_robin",
+    "v_shape",
     "validate",
 ]
 
@@ -90,32 +96,48 @@ RELEASES = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per worker, the ordered actions of one step.
+    """Per worker, the ordered actions of one step, and where each stage lives.
 
-    ``actions[w]`` is worker ``w``'s list; ``num_stages`` counts virtual stages (``num_workers *
-    virtual`` for an interleaved schedule).
+    ``actions[w]`` is worker ``w``'s list; ``placement[s]`` the worker holding stage ``s``;
+    ``num_stages`` counts virtual stages (``num_workers * virtual`` for an interleaved schedule).
     """
 
     name: str
     num_stages: int
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
 
     @property
     def num_workers(self) -> int:
         return len(self.actions)
 
     def worker_of(self) -> dict[int, int]:
-        """Which worker runs each stage."""
-        return {a.stage: w for w, acts in enumerate(self.actions) for a in acts}
+        """Which worker holds each stage."""
+        return dict(enumerate(self.placement))
+
+    def stages_of(self, worker: int) -> tuple[int, ...]:
+        """The stages ``worker`` holds, in pipeline order."""
+        return tuple(s for s, w in enumerate(self.placement) if w == worker)
 
     def only(self, *kinds: ActionKind) -> Schedule:
         """The same schedule with only the actions of ``kinds`` (a phase of a fill-drain step)."""
         acts = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, acts)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, acts, self.placement)
 
     def __iter__(self) -> Iterator[Action]:
         return (a for acts in self.actions for a in acts)
+
+
+def round_robin(num_stages: int, workers: int) -> tuple[int, ...]:
+    """Stage ``s`` on worker ``s mod K``: one stage per worker, or Megatron's interleaving."""
+    return tuple(s % workers for s in range(num_stages))
+
+
+def v_shape(workers: int) -> tuple[int, ...]:
+    """Two stages per worker in a V: stages ``w`` and ``2K-1-w`` on worker ``w`` (the first and the
+    last stage share worker 0, so the loss's gradient starts the backward where the forward began)."""
+    return tuple(range(workers)) + tuple(reversed(range(workers)))
 
 
 def dependencies(action: Action, schedule: Schedule, present: set[Action] | None = None) -> tuple[Action, ...]:
@@ -144,12 +166,12 @@ def check_sizes(num_stages: int, num_microbatches: int) -> None:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` pointing at the first offending action, if any."""
     check_sizes(schedule.num_stages, schedule.num_microbatches)
+    _check_placement(schedule)
     seen: dict[Action, tuple[int, int]] = {}
-    stage_worker: dict[int, int] = {}
     for w, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
             where = f"worker {w}, position {i}"
-            _check_action(schedule, a, where, seen, stage_worker, w)
+            _check_action(schedule, a, where, seen, w)
             seen[a] = (w, i)
     for s in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):
@@ -157,12 +179,29 @@ def validate(schedule: Schedule) -> None:
     _walk(schedule, lambda a: 1.0)
 
 
+def _check_placement(schedule: Schedule) -> None:
+    placement, k = schedule.placement, schedule.num_workers
+    if len(placement) != schedule.num_stages:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} places {len(placement)} stages but has {schedule.num_stages}: "
+            "give placement one worker per stage"
+        )
+    bad = [s for s, w in enumerate(placement) if not (isinstance(w, int) and 0 <= w < k)]
+    if bad:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} places stage {bad[0]} on worker {placement[bad[0]]!r}, "
+            f"but it has workers 0..{k - 1}"
+        )
+    idle = [w for w in range(k) if w not in placement]
+    if idle:
+        raise ScheduleError(f"schedule {schedule.name!r} places no stage on worker {idle[0]}: drop the worker")
+
+
 def _check_action(
     schedule: Schedule,
     a: Action,
     where: str,
     seen: dict[Action, tuple[int, int]],
-    stage_worker: dict[int, int],
     w: int,
 ) -> None:
     if not (0 <= a.stage < schedule.num_stages and 0 <= a.microbatch < schedule.num_microbatches):
@@ -172,8 +211,8 @@ def _check_action(
         )
     if a in seen:
         raise ScheduleError(f"{a} at {where} is a duplicate of worker {seen[a][0]}, position {seen[a][1]}")
-    if stage_worker.setdefault(a.stage, w) != w:
-        raise ScheduleError(f"{a} at {where}: stage {a.stage} already runs on worker {stage_worker[a.stage]}")
+    if schedule.placement[a.stage] != w:
+        raise ScheduleError(f"{a} at {where}: stage {a.stage} is placed on worker {schedule.placement[a.stage]}")
     before = I(a.microbatch, a.stage) if a.kind is ActionKind.BACKWARD_WEIGHT else F(a.microbatch, a.stage)
     if a.kind is not ActionKind.FORWARD and before not in seen:
         raise ScheduleError(f"{a} at {where} comes before {before}, which it needs")
