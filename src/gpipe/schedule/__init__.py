@@ -8,7 +8,18 @@ Generate → validate → simulate → render → execute::
     (0.273, (4, 3, 2, 1))
 """
 
-from gpipe.schedule.generate import SCHEDULES, fill_drain, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from gpipe.schedule.auto import Candidate, Plan, StageCosts, auto_schedule, peak_memory, plan
+from gpipe.schedule.generate import (
+    SCHEDULES,
+    dualpipe_v,
+    fill_drain,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
 from gpipe.schedule.ir import (
     Action,
     ActionKind,
@@ -25,19 +36,28 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ActionKind",
+    "Candidate",
+    "Plan",
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "StageCosts",
+    "auto_schedule",
     "dependencies",
+    "dualpipe_v",
     "execution_order",
     "fill_drain",
     "interleaved_1f1b",
     "kind_cost",
     "make_schedule",
     "one_f_one_b",
+    "peak_memory",
+    "plan",
     "render_timeline",
     "simulate",
     "unit_cost",
     "validate",
     "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "ActionKind",
     "Schedule",
     "ScheduleError",
+    "Transfer",
     "dependencies",
     "execution_order",
     "round_robin",
@@ -236,12 +237,29 @@ def _check_complete(schedule: Schedule, m: int, s: int, seen: dict[Action, tuple
         need(B(m, s), "every stage needs the backward of every micro-batch (B, or I and W)")
 
 
-def _walk(schedule: Schedule, cost: Callable[[Action], float]) -> dict[Action, tuple[float, float]]:
+Transfer = float | Callable[[Action, Action], float]
+"""The latency of a hand-over between workers: seconds (or any time unit) for every dependency whose
+producer and consumer stages are placed on different workers, or a function of (producer, consumer)
+called only for such dependencies."""
+
+
+def _walk(
+    schedule: Schedule, cost: Callable[[Action], float], transfer: Transfer = 0.0
+) -> dict[Action, tuple[float, float]]:
     """Start and end time of every action when each worker runs its list in order and waits for
-    dependencies. Dependencies outside the schedule (an earlier phase's) count as done. Raises
-    :class:`ScheduleError` on a deadlock."""
+    dependencies (plus ``transfer`` for a dependency that crosses workers). Dependencies outside the
+    schedule (an earlier phase's) count as done. Raises :class:`ScheduleError` on a deadlock."""
     present = set(schedule)
     deps_of = {a: dependencies(a, schedule, present) for a in present}
+    place = schedule.placement
+
+    def lag(d: Action, a: Action) -> float:
+        if place[d.stage] == place[a.stage]:
+            return 0.0
+        return transfer(d, a) if callable(transfer) else float(transfer)
+
+    # Each dependency with the hand-over it adds (none unless it crosses workers), computed once.
+    lags = {a: tuple(lag(d, a) for d in deps) for a, deps in deps_of.items()} if callable(transfer) or transfer else {}
     spans: dict[Action, tuple[float, float]] = {}
     pos = [0] * schedule.num_workers
     free = [0.0] * schedule.num_workers
@@ -253,7 +271,10 @@ def _walk(schedule: Schedule, cost: Callable[[Action], float]) -> dict[Action, t
                 a = acts[pos[w]]
                 if any(d not in spans for d in deps_of[a]):
                     break
-                start = max([free[w], *(spans[d][1] for d in deps_of[a])])
+                if lags:
+                    start = max([free[w], *(spans[d][1] + t for d, t in zip(deps_of[a], lags[a]))])
+                else:
+                    start = max([free[w], *(spans[d][1] for d in deps_of[a])])
                 free[w] = start + cost(a)
                 spans[a] = (start, free[w])
                 pos[w] += 1

@@ -8,10 +8,11 @@ worker holds (counted from a forward to the backward that frees them: B, or W af
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, _walk, validate
+from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, Transfer, _walk, validate
 
 __all__ = ["Simulation", "kind_cost", "simulate", "unit_cost"]
 
@@ -89,7 +90,15 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def simulate(schedule: Schedule, cost: Cost | None = None) -> Simulation:
-    """Run ``schedule`` on paper with ``cost(action)`` per action (1 by default)."""
+def simulate(schedule: Schedule, cost: Cost | None = None, *, transfer: Transfer = 0.0) -> Simulation:
+    """Run ``schedule`` on paper with ``cost(action)`` per action (1 by default).
+
+    ``transfer`` is the latency of a hand-over between workers: an action waits that much longer
+    for a dependency computed on another worker (an activation or a gradient sent between stages
+    placed apart). A number, or a function of (producer, consumer) called only for such
+    dependencies; 0 by default (hand-overs are free).
+    """
+    if not callable(transfer) and not (transfer >= 0 and math.isfinite(transfer)):
+        raise ValueError(f"transfer time must be a finite number >= 0 (got {transfer!r})")
     validate(schedule)
-    return Simulation(schedule, _walk(schedule, cost or unit_cost))
+    return Simulation(schedule, _walk(schedule, cost or unit_cost, transfer))
