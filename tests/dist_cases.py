@@ -394,12 +394,12 @@ def lost_at(rank: int, where: str, how: str, timeout: float, mark: str, dp: int 
         return call
 
     if victim and where == "step":  # in its first action of the second step
-        pipe._executor._execute = dying(pipe._executor._execute)  # type: ignore[method-assign]
+        pipe.engine.executor._execute = dying(pipe.engine.executor._execute)  # type: ignore[method-assign]
         count["calls"] = -len(pipe.schedule_for(2).actions[int(os.environ["RANK"])]) + 1
     elif victim and where == "loss":
-        pipe._share_loss = dying(pipe._share_loss)  # type: ignore[method-assign]
+        pipe.engine.comm.loss = dying(pipe.engine.comm.loss)  # type: ignore[method-assign]
     elif victim and where == "grads":
-        pipe._all_reduce_gradients = dying(pipe._all_reduce_gradients)  # type: ignore[method-assign]
+        pipe.engine.comm.reduce_gradients = dying(pipe.engine.comm.reduce_gradients)  # type: ignore[method-assign]
     x, y = data()
     for i in range(steps):
         if victim and where == "between" and i == 1:

@@ -10,6 +10,7 @@ from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
 from gpipe.pipeline import Pipeline
+from gpipe.planner import AutoSchedule
 from gpipe.saving import load as load_checkpoint
 from gpipe.saving import save as save_checkpoint
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
@@ -17,6 +18,7 @@ from gpipe.sequential import ToSequentialError, to_sequential
 from gpipe.trace import StepTrace
 
 __all__ = [
+    "AutoSchedule",
     "DeferredBatchNorm",
     "GPipe",
     "MovingPartitionError",

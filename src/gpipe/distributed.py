@@ -1,7 +1,8 @@
-"""One process per stage over torch.distributed: the distributed executor.
+"""One process per pipeline worker over torch.distributed: the transport between ranks.
 
 Every rank runs its own list of actions from the same schedule IR, in the calling thread, with the
-same code as the local executor; only the hand-over between stages differs. An activation or a
+same executor as one process (:class:`gpipe.executor.Executor`); only the hand-over between stages
+differs, and that is this module's :class:`ChannelTransport`. An activation or a
 gradient whose consumer lives on another rank travels over a *channel*: one per (source rank,
 destination rank, activations|gradients), each with its own two-rank process group, so that every
 communicator carries messages one way, in one order (which NCCL needs). A sender thread per outgoing
@@ -49,7 +50,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -58,13 +58,23 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from gpipe.executor import LocalExecutor, StepRun, _AbortedError, _Mailbox
-from gpipe.memory import ActivationMeter
-from gpipe.microbatch import Batch, _flat_spec, _is_flat_spec
+from gpipe.executor import Mailbox, StepRun, Transport
+from gpipe.microbatch import Batch, batch_size, flat_spec, is_flat_spec, scatter
+from gpipe.placement import Placement
+from gpipe.rng import step_seed
 from gpipe.schedule.ir import ActionKind, Schedule
-from gpipe.stage import Stage, StepContext
+from gpipe.tied import Tie
 
-__all__ = ["DistributedExecutor", "PipelineError", "collective", "init_from_env", "start_heartbeat"]
+__all__ = [
+    "ChannelTransport",
+    "Collectives",
+    "PipelineError",
+    "RankCollectives",
+    "collective",
+    "init_from_env",
+    "start_heartbeat",
+    "tie_name",
+]
 
 _FAILURE_KEY = "gpipe/failure"
 _ALIVE_KEY = "gpipe/alive/"
@@ -390,7 +400,7 @@ def _layout(value: Batch | tuple[Tensor | None, ...]) -> tuple[bytes, list[Tenso
     # The structure travels as a TreeSpec (its node types pickle by reference, as the receiver has
     # the same code); a plain tuple of leaves as its length, the cheap common case.
     spec = value.spec
-    structure = None if spec is None else spec.num_leaves if _is_flat_spec(spec) else spec
+    structure = None if spec is None else spec.num_leaves if is_flat_spec(spec) else spec
     try:
         return pickle.dumps((True, structure, value.skips, value.needs_grad, items)), tensors
     except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -453,16 +463,21 @@ class _Channel:
             values.append(t)
         if not batch:
             return tuple(values)
-        spec = _flat_spec(structure) if isinstance(structure, int) else structure
+        spec = flat_spec(structure) if isinstance(structure, int) else structure
         return Batch(tuple(values), spec, skips, flags)
 
 
-class _RoutedMailbox(_Mailbox):
+class _RoutedMailbox(Mailbox):
     """A mailbox whose letters for stages on other ranks leave through a channel's sender."""
 
-    def __init__(self, outgoing: dict[Key, queue.Queue[tuple[Key, Any] | None]]) -> None:
+    def __init__(
+        self,
+        outgoing: dict[Key, queue.Queue[tuple[Key, Any] | None]],
+        queues: dict[_Channel, queue.Queue[tuple[Key, Any] | None]],
+    ) -> None:
         super().__init__()
         self._outgoing = outgoing
+        self.queues = queues
 
     def put(self, key: Key, value: Any) -> None:
         out = self._outgoing.get(key)
@@ -472,43 +487,27 @@ class _RoutedMailbox(_Mailbox):
             out.put((key, value))
 
 
-@dataclass
-class _Topology:
-    rank: int  # this rank's place in the pipeline (its worker index)
-    ranks: Sequence[int]  # global rank of every worker
+class ChannelTransport(Transport):
+    """Moves what a stage on another rank consumes over torch.distributed channels; watches the
+    other ranks for failures during a step. Built by every rank alike (creating the channels'
+    process groups is collective): one channel per pair of workers and direction that hand-overs
+    between consecutive stages cross, in every replica."""
 
-
-class DistributedExecutor(LocalExecutor):
-    """Runs this rank's part of a schedule; ``stages`` are the stages this rank holds, among
-    ``num_stages``; stage ``s`` runs on pipeline rank ``s mod K``."""
-
-    def __init__(
-        self,
-        stages: Sequence[Stage],
-        num_stages: int,
-        *,
-        replicas: Sequence[Sequence[int]],
-        device: torch.device,
-        timeout: float = 60.0,
-    ) -> None:
-        """``replicas`` lists, for every data-parallel replica of the pipeline, the global ranks of
-        its K workers in pipeline order (one replica without data parallelism)."""
-        super().__init__(stages)
-        self.num_stages = num_stages
-        self.device = device
+    def __init__(self, placement: Placement, device: torch.device, *, timeout: float = 60.0) -> None:
+        if not placement.is_distributed:
+            raise ValueError("ChannelTransport moves values between ranks: give it a placement over ranks")
+        self.placement = placement
         self.timeout = timeout
         me = dist.get_rank()
-        (self.pipeline_ranks,) = [list(r) for r in replicas if me in r]
-        self.rank = self.pipeline_ranks.index(me)
         self._store = dist.distributed_c10d._get_default_store()
         self._channels: dict[tuple[int, int, str], _Channel] = {}
         comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        worker_of = placement.worker_of
         # new_group is collective over all ranks: every rank creates every replica's groups, in order.
-        for ranks in replicas:
-            k = len(ranks)
+        for ranks in placement.replicas:
             made: set[tuple[int, int, str]] = set()
-            for s in range(num_stages - 1):
-                a, b = s % k, (s + 1) % k
+            for s in range(placement.num_stages - 1):
+                a, b = worker_of[s], worker_of[s + 1]
                 for src, dst, kind in ((a, b, "act"), (b, a, "grad")):
                     if src == dst or (src, dst, kind) in made:
                         continue
@@ -516,82 +515,60 @@ class DistributedExecutor(LocalExecutor):
                     group = dist.new_group(sorted({ranks[src], ranks[dst]}), timeout=timedelta(seconds=timeout))
                     if me in ranks:
                         self._channels[(src, dst, kind)] = _Channel(ranks[src], ranks[dst], kind, group, comm_device)
-
-    def worker_of(self, stage: int) -> int:
-        return stage % len(self.pipeline_ranks)
+        self._routes: dict[Schedule, tuple[dict[_Channel, list[Key]], dict[_Channel, list[Key]]]] = {}
 
     def _route(self, schedule: Schedule) -> tuple[dict[_Channel, list[Key]], dict[_Channel, list[Key]]]:
         """Per channel, the keys this rank sends and receives over it, in the order they travel."""
+        found = self._routes.get(schedule)
+        if found is not None:
+            return found
         sends: dict[_Channel, list[Key]] = {}
         recvs: dict[_Channel, list[Key]] = {}
+        me, worker_of, last = self.placement.rank, schedule.placement, schedule.num_stages - 1
         for w, actions in enumerate(schedule.actions):
             for a in actions:
-                if a.kind is ActionKind.FORWARD and a.stage + 1 < self.num_stages:
-                    key, dst, kind = ("act", a.microbatch, a.stage + 1), self.worker_of(a.stage + 1), "act"
+                if a.kind is ActionKind.FORWARD and a.stage < last:
+                    key, dst, kind = ("act", a.microbatch, a.stage + 1), worker_of[a.stage + 1], "act"
                 elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.stage > 0:
-                    key, dst, kind = ("grad", a.microbatch, a.stage - 1), self.worker_of(a.stage - 1), "grad"
+                    key, dst, kind = ("grad", a.microbatch, a.stage - 1), worker_of[a.stage - 1], "grad"
                 else:
                     continue
                 if dst == w:
                     continue
                 channel = self._channels[(w, dst, kind)]
-                if w == self.rank:
+                if w == me:
                     sends.setdefault(channel, []).append(key)
-                elif dst == self.rank:
+                elif dst == me:
                     recvs.setdefault(channel, []).append(key)
+        if len(self._routes) > 32:  # a few (schedule, phase) pairs per pipeline
+            self._routes.clear()
+        self._routes[schedule] = sends, recvs
         return sends, recvs
 
-    def run(self, schedule: Schedule, run: StepRun, *, inline: bool = False) -> None:
-        """Run this rank's actions of ``schedule``, exchanging with the other ranks."""
-        if schedule.num_workers != len(self.pipeline_ranks):
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_workers} workers, "
-                f"the pipeline {len(self.pipeline_ranks)} ranks"
-            )
-        actions = schedule.actions[self.rank]
-        mailbox = run.mailbox
-        with self._watching(run), self.watching_randomness(), run.ctx.applied(self.device):
-            for action in actions:
-                if mailbox.failed is not None:  # another rank failed (the watch or a transfer said so)
-                    raise PipelineError(mailbox.failed)
-                try:
-                    self._execute(self.rank, action, run)
-                except _AbortedError as exc:
-                    raise PipelineError(str(exc)) from None
-            self._finish(actions, run)
-
-    def step(
-        self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext, *, measure_memory: bool = False
-    ) -> tuple[StepRun, list[Batch]]:
-        """This rank's part of a training step; the (scaled) losses on the last stage's rank, else []."""
-        meter = self.meter_for(schedule) if measure_memory else None
-        return self._step(schedule, batches, ctx, split=self.split_of(schedule), meter=meter)
-
-    def forward(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
-        """This rank's forwards; the last stage's outputs on its rank, else []."""
-        return self._step(schedule.only(ActionKind.FORWARD), batches, ctx, split=frozenset(), meter=None)
-
-    def _step(
-        self,
-        schedule: Schedule,
-        batches: Sequence[Batch],
-        ctx: StepContext,
-        *,
-        split: frozenset[tuple[int, int]],
-        meter: ActivationMeter | None,
-    ) -> tuple[StepRun, list[Batch]]:
-        sends, recvs = self._route(schedule)
+    def mailbox(self, schedule: Schedule) -> Mailbox:
+        sends, _ = self._route(schedule)
         queues = {channel: queue.Queue[tuple[Key, Any] | None]() for channel in sends}
         outgoing = {key: queues[channel] for channel, keys in sends.items() for key in keys}
-        run = StepRun(ctx, split=split, meter=meter, mailbox=_RoutedMailbox(outgoing))
-        if any(a.kind is not ActionKind.FORWARD for a in schedule):
-            self._seed(run, batches)
-        elif 0 in self.stages:
-            for m, batch in enumerate(batches):
-                run.mailbox.put(("act", m, 0), batch)
+        return _RoutedMailbox(outgoing, queues)
+
+    def stopped(self, reason: str) -> BaseException:
+        return PipelineError(reason)
+
+    @contextmanager
+    def running(self, schedule: Schedule, run: StepRun) -> Iterator[None]:
+        """Start the step's senders and receivers, watch the store for another rank's failure, and
+        report this rank's own."""
+        if schedule.num_workers != self.placement.num_workers:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_workers} workers, "
+                f"the pipeline {self.placement.num_workers} ranks"
+            )
+        sends, recvs = self._route(schedule)
+        mailbox = run.mailbox
+        assert isinstance(mailbox, _RoutedMailbox)
         threads = [
             threading.Thread(target=self._sender, args=(c, q, len(sends[c]), run), daemon=True, name="gpipe-send")
-            for c, q in queues.items()
+            for c, q in mailbox.queues.items()
         ] + [
             threading.Thread(target=self._receiver, args=(c, keys, run), daemon=True, name="gpipe-recv")
             for c, keys in recvs.items()
@@ -599,7 +576,8 @@ class DistributedExecutor(LocalExecutor):
         for t in threads:
             t.start()
         try:
-            self.run(schedule, run)
+            with self._watching(run):
+                yield
             for t in threads:
                 t.join(self.timeout)
                 if t.is_alive():
@@ -611,9 +589,6 @@ class DistributedExecutor(LocalExecutor):
         failure = self._failure()
         if failure is not None:
             raise PipelineError(failure)
-        if self.num_stages - 1 not in self.stages:
-            return run, []
-        return run, [run.mailbox.get(("act", m, self.num_stages)) for m in range(len(batches))]
 
     # Threads of a step.
 
@@ -643,7 +618,7 @@ class DistributedExecutor(LocalExecutor):
             with contextlib.suppress(Exception):  # the store is gone: what it holds says so below
                 silent = _silent_ranks(timed_out=True)
             lost = silent[0] if silent and silent[0] else f"rank {peer} is not responding"
-        me = self.pipeline_ranks[self.rank]
+        me = dist.get_rank()
         self._report(f"{lost} (rank {me} lost its connection to rank {peer}: {_first_line(exc)})", exc)
         run.mailbox.fail(_read_failure(self._store, min(self.timeout, 2.0)) or lost)
 
@@ -678,3 +653,116 @@ class DistributedExecutor(LocalExecutor):
         finally:
             done.set()
             watcher.join()
+
+
+# The collectives of a step.
+
+
+def tie_name(tie: Tie) -> str:
+    return "/".join(f"{i}.{path}" for i, path in tie.members)
+
+
+class Collectives:
+    """What a step exchanges outside its actions, in one process: nothing; the step's seed is
+    drawn here, tied copies' gradients summed here."""
+
+    data_parallel = 1
+    dp_rank = 0
+
+    def seed(self) -> int:
+        """The step's seed (the same on every rank)."""
+        return step_seed()
+
+    def share(self, value: Any) -> Any:
+        """This replica's share of a global mini-batch (all of it without data parallelism)."""
+        return value
+
+    def sync_ties(self, ties: Sequence[Tie]) -> None:
+        """Give every copy of a tied parameter the sum of the copies' gradients."""
+        for tie in ties:
+            tie.sync_grads()
+
+    def reduce_gradients(self, grads: Sequence[Tensor]) -> None:
+        """Sum gradients over the data-parallel replicas."""
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        return [value]
+
+    def loss(self, value: Tensor | None) -> Tensor:
+        """The mini-batch loss on every rank, from the last stage's (summed over the replicas)."""
+        return self.from_last_stage(value)
+
+    def from_last_stage(self, value: Tensor | None) -> Tensor:
+        """A scalar known where the last stage is (``None`` elsewhere), on every rank."""
+        if value is None:
+            raise ValueError("the last stage runs in this process but gave no value")
+        return value
+
+
+class RankCollectives(Collectives):
+    """The collectives of a step as one rank of a pipeline (and of its data-parallel replicas)."""
+
+    def __init__(
+        self, placement: Placement, device: torch.device, *, dp_group: Any, pp_group: Any, data_parallel: int
+    ) -> None:
+        self.placement, self.device = placement, device
+        self.dp_group, self.pp_group = dp_group, pp_group
+        self.data_parallel, self.dp_rank = data_parallel, placement.replica
+        self._comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def seed(self) -> int:
+        t = torch.tensor([step_seed()], dtype=torch.int64, device=self._comm_device)
+        with collective("broadcast of the step's seed from rank 0"):
+            dist.broadcast(t, src=0)
+            return int(t.item())
+
+    def share(self, value: Any) -> Any:
+        if self.data_parallel == 1:
+            return value
+        shares = scatter(value, self.data_parallel)
+        if len(shares) < self.data_parallel:
+            raise ValueError(
+                f"a mini-batch of {batch_size(shares[0]) * len(shares)} cannot be shared by "
+                f"{self.data_parallel} data-parallel replicas"
+            )
+        return shares[self.dp_rank].value
+
+    def sync_ties(self, ties: Sequence[Tie]) -> None:
+        for tie in ties:
+            with collective(f"all-reduce of tied parameter {tie_name(tie)}'s gradients", tie.group):
+                tie.sync_grads()
+
+    def gather(self, value: Any) -> list[Any]:
+        found: list[Any] = [None] * dist.get_world_size()
+        with collective("all-gather of the measured costs for schedule='auto'"):
+            dist.all_gather_object(found, value)
+        return found
+
+    def reduce_gradients(self, grads: Sequence[Tensor]) -> None:
+        """Sum a stage's gradients over its replicas in one collective (each replica's loss is
+        already scaled by its share of the global mini-batch)."""
+        if self.dp_group is None or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        with collective("all-reduce of the gradients over the data-parallel replicas", self.dp_group):
+            dist.all_reduce(flat, group=self.dp_group)
+        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+
+    def loss(self, value: Tensor | None) -> Tensor:
+        if value is not None and self.dp_group is not None:
+            value = value.detach().reshape(1).to(self._comm_device)
+            with collective("all-reduce of the loss over the data-parallel replicas", self.dp_group):
+                dist.all_reduce(value, group=self.dp_group)
+            value = value[0]
+        return self.from_last_stage(value)
+
+    def from_last_stage(self, value: Tensor | None) -> Tensor:
+        buf = torch.zeros(1, device=self._comm_device)
+        if value is not None:
+            buf.copy_(value.detach().reshape(1))
+        last = self.placement.rank_of(self.placement.num_stages - 1)
+        with collective(f"broadcast from the last stage's rank {last}", self.pp_group):
+            dist.broadcast(buf, src=last, group=self.pp_group)
+            return buf[0].to(self.device)

@@ -1,6 +1,12 @@
-"""The local executor: runs a schedule over stages placed on the devices of one process.
+"""The executor: runs this process's part of a schedule over its stages.
 
-Each worker of the schedule gets a thread of its own; a worker runs its list of actions from the
+One action loop serves every setting; how values move between workers is a *transport* it is given.
+:class:`Transport` (this module) keeps everything in one process: a value lands in a mailbox and the
+consuming stage moves it to its device. :class:`gpipe.distributed.ChannelTransport` sends what a stage
+on another rank consumes over torch.distributed. Which worker holds which stage, and which workers
+this process runs, is the pipeline's :class:`~gpipe.placement.Placement`.
+
+When this process runs several workers, each gets a thread of its own; a worker runs its list of actions from the
 schedule IR in order and waits only for the data an action consumes (an activation from the previous
 stage, a gradient from the next). Torch releases the GIL in its kernels, so workers on different
 devices — including several ``'cpu'`` devices, each worker then using its share of the intra-op
@@ -33,18 +39,19 @@ import torch
 
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch
+from gpipe.placement import Placement
 from gpipe.rng import Watch
 from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
 from gpipe.stage import Grads, Saved, Stage, StepContext
 
-__all__ = ["LocalExecutor", "StepRun", "TraceEvent"]
+__all__ = ["Executor", "Mailbox", "StepRun", "TraceEvent", "Transport"]
 
 
-class _AbortedError(Exception):
+class AbortedError(Exception):
     """Another worker (or rank) failed; this one stops waiting."""
 
 
-class _Mailbox:
+class Mailbox:
     """Where actions leave their results for the actions that consume them.
 
     Keys: ``("act", m, s)`` is the input activation of stage ``s`` for micro-batch ``m``;
@@ -67,7 +74,7 @@ class _Mailbox:
         with self._cond:
             while key not in self._items:
                 if self.failed is not None:
-                    raise _AbortedError(self.failed)
+                    raise AbortedError(self.failed)
                 self._cond.wait()
             return self._items.pop(key)
 
@@ -94,7 +101,7 @@ class StepRun:
 
     ctx: StepContext
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
-    mailbox: _Mailbox = field(default_factory=_Mailbox)
+    mailbox: Mailbox = field(default_factory=Mailbox)
     split: frozenset[tuple[int, int]] = frozenset()
     trace: list[TraceEvent] = field(default_factory=list)
     meter: ActivationMeter | None = None
@@ -103,9 +110,29 @@ class StepRun:
         return self.meter.recording(stage, microbatch) if self.meter is not None else nullcontext()
 
 
-class LocalExecutor:
-    """Runs schedules over ``stages`` in one process; a stage runs on the worker whose action list
-    holds it, and a worker's stages must share a device.
+class Transport:
+    """How values move between workers: here, within one process. A value stays in the step's
+    mailbox; the consuming stage moves it to its device (``Stage.receive``)."""
+
+    def mailbox(self, schedule: Schedule) -> Mailbox:
+        """The mailbox of a step of ``schedule``."""
+        return Mailbox()
+
+    @contextmanager
+    def running(self, schedule: Schedule, run: StepRun) -> Iterator[None]:
+        """Around this process's actions of a step (a transport between processes moves values and
+        watches the other processes here)."""
+        yield
+
+    def stopped(self, reason: str) -> BaseException:
+        """What a worker running in the caller's thread raises when the step was stopped elsewhere."""
+        return RuntimeError(f"the step was stopped: {reason}")
+
+
+class Executor:
+    """Runs schedules over ``stages`` (those of this process) placed by ``placement``; a worker's
+    stages must share a device. ``transport`` moves values between workers (default: within this
+    process).
 
     ``cpu_threads`` is the number of intra-op threads each worker on a CPU device uses; by default
     the caller's threads (``torch.get_num_threads()``) are shared out among the CPU workers. CPU
@@ -113,24 +140,39 @@ class LocalExecutor:
     bitwise identical across partition counts when this number is fixed (e.g. 1).
     """
 
-    def __init__(self, stages: Sequence[Stage], *, cpu_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        placement: Placement,
+        *,
+        transport: Transport | None = None,
+        cpu_threads: int | None = None,
+    ) -> None:
         if cpu_threads is not None and cpu_threads <= 0:
             raise ValueError(f"cpu_threads must be a positive integer (cpu_threads: {cpu_threads})")
         self.stages: dict[int, Stage] = {stage.index: stage for stage in stages}
-        self.num_stages = len(self.stages)
+        missing = sorted(set(placement.local_stages) - set(self.stages))
+        if missing:
+            raise ValueError(f"the placement puts stages {missing} in this process, but no such stage was given")
+        self.placement = placement
+        self.num_stages = placement.num_stages
+        self.transport = transport or Transport()
         self.cpu_threads = cpu_threads
 
     def run(self, schedule: Schedule, run: StepRun, *, inline: bool = False) -> None:
-        """Run every action of ``schedule``; inputs and gradients must already be in the mailbox."""
-        if schedule.num_stages != self.num_stages:
+        """Run this process's actions of ``schedule``; inputs and gradients must already be in the
+        mailbox. ``inline``: every worker in the calling thread, in an order that respects them all."""
+        if schedule.placement != self.placement.worker_of:
             raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages, the pipeline {self.num_stages}"
+                f"schedule {schedule.name!r} places stages on workers {list(schedule.placement)}, "
+                f"but the pipeline was built for {list(self.placement.worker_of)}"
             )
-        with self.watching_randomness():
-            if inline or schedule.num_workers == 1:
-                self._run_inline(schedule, run)
+        workers = [w for w in self.placement.local_workers if schedule.actions[w]]
+        with self.transport.running(schedule, run), self.watching_randomness():
+            if inline or len(workers) <= 1:
+                self._run_inline(schedule, workers, run)
             else:
-                self._run_threaded(schedule, run)
+                self._run_threaded(schedule, workers, run)
 
     @contextmanager
     def watching_randomness(self) -> Iterator[None]:
@@ -155,30 +197,39 @@ class LocalExecutor:
             raise ValueError(f"the stages of one worker must share a device, got {sorted(map(str, devices))}")
         return devices.pop()
 
-    def _run_inline(self, schedule: Schedule, run: StepRun) -> None:
+    def _run_inline(self, schedule: Schedule, workers: Sequence[int], run: StepRun) -> None:
         threads_before = torch.get_num_threads()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
         try:
-            worker = schedule.worker_of()
-            # one worker: its own order; several (inline on one thread): an order that respects them all
-            order = schedule.actions[0] if schedule.num_workers == 1 else execution_order(schedule)
-            devices = {self.stages[s].device for s in worker}
-            if len(devices) == 1:  # one device: enter its context once
-                with run.ctx.applied(devices.pop()):
-                    for action in order:
-                        self._execute(worker[action.stage], action, run)
-            else:
+            if len(workers) == 1:  # its own order
+                order: Sequence[Action] = schedule.actions[workers[0]]
+            else:  # several on one thread: an order that respects them all
+                mine = set(workers)
+                order = [a for a in execution_order(schedule) if schedule.placement[a.stage] in mine]
+            devices = {self.stages[a.stage].device for a in order}
+            single = len(devices) == 1  # one device: enter its context once
+            mailbox = run.mailbox
+            with run.ctx.applied(next(iter(devices))) if single else nullcontext():
                 for action in order:
-                    with run.ctx.applied(self.stages[action.stage].device):
-                        self._execute(worker[action.stage], action, run)
-            for acts in schedule.actions:
-                self._finish(acts, run)
+                    if mailbox.failed is not None:  # another process failed (its transport said so)
+                        raise self.transport.stopped(mailbox.failed)
+                    worker = schedule.placement[action.stage]
+                    try:
+                        if single:
+                            self._execute(worker, action, run)
+                        else:  # several devices: enter each action's
+                            with run.ctx.applied(self.stages[action.stage].device):
+                                self._execute(worker, action, run)
+                    except AbortedError as exc:
+                        raise self.transport.stopped(str(exc)) from None
+            for w in workers:
+                self._finish(schedule.actions[w], run)
         finally:
             torch.set_num_threads(threads_before)
 
-    def _run_threaded(self, schedule: Schedule, run: StepRun) -> None:
-        lists = [(w, acts, self._device(acts)) for w, acts in enumerate(schedule.actions) if acts]
+    def _run_threaded(self, schedule: Schedule, workers: Sequence[int], run: StepRun) -> None:
+        lists = [(w, schedule.actions[w], self._device(schedule.actions[w])) for w in workers]
         cpu_workers = sum(1 for _, _, d in lists if d.type == "cpu")
         threads_before = torch.get_num_threads()
         threads = self.cpu_threads or max(1, threads_before // max(1, cpu_workers))
@@ -195,7 +246,7 @@ class LocalExecutor:
                             return
                         try:
                             self._execute(w, action, run)
-                        except _AbortedError:
+                        except AbortedError:
                             return
                         except BaseException as exc:
                             exc.add_note(f"(raised by {action} of the pipeline, on {device})")
@@ -278,20 +329,31 @@ class LocalExecutor:
 
     # Entry points of a step, in terms of micro-batches.
 
+    def _outputs(self, run: StepRun, count: int) -> list[Batch]:
+        """The last stage's outputs, where this process holds it (else [])."""
+        if self.num_stages - 1 not in self.stages:
+            return []
+        return [run.mailbox.get(("act", m, self.num_stages)) for m in range(count)]
+
     def forward(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
-        """Run the forward actions of ``schedule``; return the step and the last stage's outputs."""
-        run = StepRun(ctx)
-        for m, batch in enumerate(batches):
-            run.mailbox.put(("act", m, 0), batch)
-        self.run(schedule.only(ActionKind.FORWARD), run)
-        last = self.num_stages
-        return run, [run.mailbox.get(("act", m, last)) for m in range(len(batches))]
+        """Run the forward actions of ``schedule``; return the step and the last stage's outputs
+        (where this process holds the last stage, else [])."""
+        forwards = schedule.only(ActionKind.FORWARD)
+        run = StepRun(ctx, mailbox=self.transport.mailbox(forwards))
+        if 0 in self.stages:
+            for m, batch in enumerate(batches):
+                run.mailbox.put(("act", m, 0), batch)
+        self.run(forwards, run)
+        return run, self._outputs(run, len(batches))
 
     def backward(
         self, schedule: Schedule, run: StepRun, grads: Sequence[Grads], *, inline: bool = False
     ) -> list[Grads]:
         """Run the backward actions of ``schedule`` from the gradients of the last stage's outputs;
-        return the gradients of the first stage's inputs."""
+        return the gradients of the first stage's inputs (the backward phase of a step whose
+        forward ran by :meth:`forward`: every stage in this process)."""
+        if self.placement.is_distributed:
+            raise ValueError("a backward phase apart from its forward runs in one process; use a step instead")
         last = self.num_stages - 1
         for m, g in enumerate(grads):
             run.mailbox.put(("grad", m, last), g)
@@ -302,16 +364,10 @@ class LocalExecutor:
         self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext, *, measure_memory: bool = False
     ) -> tuple[StepRun, list[Batch]]:
         """Run a whole training step (every action of ``schedule``), the last stage computing the
-        loss; return the step and each micro-batch's (scaled) loss. ``measure_memory`` records
-        every worker's activation memory (``run.meter``)."""
+        loss; return the step and each micro-batch's (scaled) loss (where this process holds the last
+        stage). ``measure_memory`` records every worker's activation memory (``run.meter``)."""
         meter = self.meter_for(schedule) if measure_memory else None
-        run = StepRun(ctx, split=self.split_of(schedule), meter=meter)
-        self._seed(run, batches)
-        self.run(schedule, run)
-        return run, [run.mailbox.get(("act", m, self.num_stages)) for m in range(len(batches))]
-
-    def _seed(self, run: StepRun, batches: Sequence[Batch]) -> None:
-        """Hand the first stage its micro-batches and the last stage its loss gradients."""
+        run = StepRun(ctx, split=self.split_of(schedule), meter=meter, mailbox=self.transport.mailbox(schedule))
         last = self.num_stages - 1
         one = torch.ones((), device=self.stages[last].device) if last in self.stages else None
         for m, batch in enumerate(batches):
@@ -319,6 +375,8 @@ class LocalExecutor:
                 run.mailbox.put(("act", m, 0), batch)
             if one is not None:
                 run.mailbox.put(("grad", m, last), (one,))
+        self.run(schedule, run)
+        return run, self._outputs(run, len(batches))
 
     @staticmethod
     def split_of(schedule: Schedule) -> frozenset[tuple[int, int]]:

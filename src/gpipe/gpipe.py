@@ -17,14 +17,18 @@ import torch
 from torch import Tensor, nn
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
-from gpipe.executor import LocalExecutor, StepRun
+from gpipe.distributed import Collectives
+from gpipe.engine import Engine, build
+from gpipe.executor import Executor, StepRun
 from gpipe.microbatch import Batch, concat, flatten, gather, scatter
-from gpipe.partition import as_balance, auto_balance, check_balance, check_chunks, partition
+from gpipe.partition import as_balance, check_chunks
+from gpipe.placement import Placement
+from gpipe.planner import FixedPlanner
 from gpipe.rng import step_seed
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.sequential import as_layers
-from gpipe.stage import Grads, StepContext, stages_of
-from gpipe.tied import Tie, local_ties, with_shared
+from gpipe.stage import Grads, StepContext
+from gpipe.tied import Tie
 
 __all__ = ["GPipe", "MovingPartitionError"]
 
@@ -97,25 +101,16 @@ class GPipe(nn.Module):
             )
         if len(module) == 0 and isinstance(balance, Sequence) and not isinstance(balance, str) and not balance:
             # An empty module, as torchgpipe allows: no partitions, no devices; forward is the identity.
-            self.balance: list[int] = []
-            self.devices: list[torch.device] = []
-            self.partitions, self._ties = nn.ModuleList(), []
-            self._executor = LocalExecutor([], cpu_threads=cpu_threads)
-            return
-        if balance == "auto":
-            if devices is None:
-                raise ValueError("balance='auto' needs devices=[...]: one device per partition to balance over")
-            balance = auto_balance(module, len(devices), sample, self.chunks)
-        tied = with_shared(module, check_balance(module, balance), ())
-        self.balance, self.devices, partitions = partition(
-            module, balance, devices, deferred_batch_norm=deferred_batch_norm, tied=tied
-        )
-        self.partitions = nn.ModuleList(partitions)
-        self._ties = local_ties(partitions, self.balance, tied)
-        self._executor = LocalExecutor(
-            stages_of(list(self.partitions), self.devices),  # type: ignore[arg-type]
-            cpu_threads=cpu_threads,
-        )
+            none = Placement((), ())
+            self.engine = Engine(none, Executor([], none), {}, [], [], [], Collectives(), FixedPlanner("gpipe", 0, 1))
+        else:
+            self.engine = build(
+                module, balance, schedule="gpipe", chunks=self.chunks, loss_fn=None, devices=devices,
+                cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm, sample=sample,
+            )  # fmt: skip
+        self.balance: list[int] = self.engine.balance
+        self.devices: list[torch.device] = self.engine.devices
+        self.partitions = nn.ModuleList(self.engine.partitions[s] for s in sorted(self.engine.partitions))
 
     def __len__(self) -> int:
         return sum(self.balance)
@@ -167,10 +162,10 @@ class GPipe(nn.Module):
                 training=self.training,
                 seed=step_seed(),
             )
-        run, outputs = self._executor.forward(schedule, batches, ctx)
+        run, outputs = self.engine.executor.forward(schedule, batches, ctx)
         if not ctx.grad_enabled:
             return gather(outputs)
-        backprop = _Backprop(self._executor, schedule, run, outputs, inputs, needs_grad, self._ties)
+        backprop = _Backprop(self.engine.executor, schedule, run, outputs, inputs, needs_grad, self.engine.ties)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call the backward half
         tensors = _PipelineBackward.apply(backprop, phony, *backprop.grad_inputs)  # type: ignore[no-untyped-call]
         return backprop.assemble(tensors)
@@ -200,7 +195,7 @@ class _Backprop:
 
     def __init__(
         self,
-        executor: LocalExecutor,
+        executor: Executor,
         schedule: Schedule,
         run: StepRun,
         outputs: list[Batch],

@@ -30,6 +30,9 @@ class ActivationMeter:
         self._seen: dict[tuple[int, int], set[int]] = {}
         self.live = [0] * num_workers
         self.peak = [0] * num_workers
+        self.stage_peak: dict[int, int] = {}
+        """Per stage, the most bytes one micro-batch held there (its activations, and what a
+        re-materialized backward recomputed)."""
 
     def _add(self, stage: int, microbatch: int, t: Tensor) -> None:
         storage = t.untyped_storage()
@@ -64,5 +67,7 @@ class ActivationMeter:
     def release(self, stage: int, microbatch: int) -> None:
         """The backward of ``microbatch`` on ``stage`` is done: its activations are freed."""
         with self._lock:
-            self.live[self._worker_of[stage]] -= self._held.pop((stage, microbatch), 0)
+            held = self._held.pop((stage, microbatch), 0)
+            self.stage_peak[stage] = max(self.stage_peak.get(stage, 0), held)
+            self.live[self._worker_of[stage]] -= held
             self._seen.pop((stage, microbatch), None)

@@ -21,19 +21,30 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Batch", "as_dicts", "concat", "flatten", "gather", "scatter"]
+__all__ = [
+    "Batch",
+    "as_dicts",
+    "batch_size",
+    "concat",
+    "flat_spec",
+    "flatten",
+    "gather",
+    "is_flat_spec",
+    "scatter",
+    "scatter_pair",
+]
 
 # The leaves a plain tuple may hold and still skip pytree's flattening (they are pytree leaves).
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device})
 _FLAT: dict[int, TreeSpec] = {}  # n -> the spec of a tuple of n leaves
 
 
-def _is_flat_spec(spec: TreeSpec) -> bool:
+def is_flat_spec(spec: TreeSpec) -> bool:
     """Whether ``spec`` is a plain tuple whose children are all leaves (then the values are the tuple)."""
     return spec.type is tuple and spec.num_nodes == spec.num_leaves + 1
 
 
-def _flat_spec(n: int) -> TreeSpec:
+def flat_spec(n: int) -> TreeSpec:
     spec = _FLAT.get(n)
     if spec is None:
         spec = _FLAT[n] = pytree.treespec_tuple([pytree.treespec_leaf()] * n)
@@ -55,7 +66,7 @@ def flatten(value: Any) -> tuple[tuple[Any, ...], TreeSpec | None]:
     if isinstance(value, Tensor):
         return (value,), None
     if type(value) is tuple and _is_flat(value):
-        return value, _flat_spec(len(value))
+        return value, flat_spec(len(value))
     leaves, spec = pytree.tree_flatten(value)
     if any(isinstance(v, Mapping) for v in leaves):
         return flatten(_mappings_as_dicts(leaves, spec))
@@ -99,7 +110,7 @@ class Batch:
         if isinstance(value, Tensor):  # the hot paths: no pytree flattening for a bare tensor ...
             return Batch((value,), None)
         if type(value) is tuple and _is_flat(value):  # ... nor for a plain tuple of tensors
-            return Batch(value, _flat_spec(len(value)))
+            return Batch(value, flat_spec(len(value)))
         values, spec = flatten(value)
         return Batch(values, spec)
 
@@ -149,13 +160,19 @@ def _paths(values: Sequence[Any], spec: TreeSpec | None) -> list[str]:
     """Where each leaf sits in the structure (``['mask']``, ``[1]``), for error messages."""
     if spec is None:
         return ["the tensor"]
-    if _is_flat_spec(spec):
+    if is_flat_spec(spec):
         return [f"[{i}]" for i in range(len(values))]
     try:
         with_paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(values), spec))
         return [pytree.keystr(path) for path, _ in with_paths]
     except Exception:  # a node type registered without keys: number the leaves
         return [f"leaf {i}" for i in range(len(values))]
+
+
+def batch_size(batch: Batch) -> int:
+    """A micro-batch's number of samples: the batch dimension of its tensors (:func:`scatter`
+    checked they agree; 0-dimensional ones have none)."""
+    return next(t.size(0) for t in batch.tensors() if t.dim())
 
 
 def scatter(inputs: Any, chunks: int) -> list[Batch]:
@@ -188,6 +205,18 @@ def scatter(inputs: Any, chunks: int) -> list[Batch]:
         split[i] = values[i].chunk(chunks)
     count = len(split[batched[0]] or ())
     return [Batch(tuple(v if s is None else s[m] for v, s in zip(values, split)), spec) for m in range(count)]
+
+
+def scatter_pair(inputs: Any, target: Any, chunks: int) -> tuple[list[Batch], list[Batch], list[int]]:
+    """Inputs and targets split alike into micro-batches, and the micro-batches' sizes."""
+    batches, targets = scatter(inputs, chunks), scatter(target, chunks)
+    sizes = [batch_size(b) for b in batches]
+    if [batch_size(t) for t in targets] != sizes:
+        raise ValueError(
+            f"inputs and target split into different micro-batches (inputs: {sizes}, "
+            f"target: {[batch_size(t) for t in targets]}); give them the same size in dim 0"
+        )
+    return batches, targets, sizes
 
 
 def concat(batches: Sequence[Batch]) -> Batch:

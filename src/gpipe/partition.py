@@ -253,17 +253,16 @@ def _build(
 
 def partition(
     module: Layers,
-    balance: Any,
-    devices: Sequence[Any] | None,
+    balance: Sequence[int],
+    stage_devices: Sequence[torch.device],
     *,
-    virtual: int = 1,
     deferred_batch_norm: bool = False,
     init_seed: int = 0,
     tied: Sequence[Sequence[str]] = (),
     init_fn: Callable[[nn.Module], None] | None = None,
-) -> tuple[list[int], list[torch.device], list[nn.Sequential]]:
-    """Check and cut ``module`` into ``len(balance)`` stages over ``len(balance) // virtual`` devices
-    (stage ``s`` on device ``s mod K``). Returns the balance, the K devices and the stages.
+) -> list[nn.Sequential]:
+    """Cut ``module`` into ``len(balance)`` stages, stage ``s`` on ``stage_devices[s]`` (its
+    placement's device; ``'meta'`` for a stage another process holds).
 
     ``module`` is an ``nn.Sequential`` (whose layers may be on the meta device: those of stages on
     a real device are materialized and initialized, seeded by layer) or a list of layer factories
@@ -275,13 +274,11 @@ def partition(
             "list its layers in an nn.Sequential, or give a list of layer factories"
         )
     balance = check_balance(module, balance)
-    if not isinstance(virtual, int) or virtual <= 0 or len(balance) % virtual:
+    if len(stage_devices) != len(balance):
         raise ValueError(
-            f"the number of stages must be a multiple of the virtual stages per device "
-            f"(stages: {len(balance)}, virtual: {virtual}); give one balance entry per stage"
+            f"the schedule places {len(stage_devices)} stages but balance has {len(balance)} "
+            f"(balance: {balance}); give one balance entry per stage"
         )
-    workers = resolve_devices(devices, len(balance) // virtual)
-    stage_devices = [workers[s % len(workers)] for s in range(len(balance))]
     model = _build(module, balance, stage_devices, init_seed, init_fn)
     if isinstance(module, nn.Sequential) or all(d.type != "meta" for d in stage_devices):
         check_skips(list(model))  # (layers built elsewhere, from factories, are not here to check)
@@ -290,4 +287,4 @@ def partition(
     untie(model, tied, frozenset(i for i, d in enumerate(layer_devices) if factories and d.type == "meta"))
     if deferred_batch_norm:
         DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=None)  # the stages commit per step
-    return balance, workers, split_module(model, balance, stage_devices)
+    return split_module(model, balance, stage_devices)

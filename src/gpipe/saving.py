@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe.engine import Engine
 from gpipe.stage import Stage
 
 __all__ = ["CheckpointError", "NoSpaceError", "latest", "layer_state", "load", "save", "write_atomically"]
@@ -71,11 +72,17 @@ class NoSpaceError(OSError):
     """A checkpoint could not be written for lack of space (``errno.ENOSPC`` or ``errno.EDQUOT``)."""
 
 
-def _stages(model: nn.Module) -> list[Stage]:
-    executor = getattr(model, "_executor", None)
-    if executor is None:
+def _engine(model: nn.Module) -> Engine:
+    from gpipe.gpipe import GPipe
+    from gpipe.pipeline import Pipeline
+
+    if not isinstance(model, (Pipeline, GPipe)):
         raise TypeError(f"expected a gpipe.Pipeline or gpipe.GPipe, got {type(model).__name__}")
-    return sorted(executor.stages.values(), key=lambda s: s.index)
+    return model.engine
+
+
+def _stages(model: nn.Module) -> list[Stage]:
+    return _engine(model).stages
 
 
 def _layers(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
@@ -286,7 +293,7 @@ def _commit(root: Path, target: Path, staging: Path, manifest: dict[str, Any]) -
 
 
 def _is_distributed(model: nn.Module) -> bool:
-    return bool(getattr(model, "distributed", False))
+    return _engine(model).placement.is_distributed
 
 
 def _run(what: Callable[[], Any] | None) -> tuple[Any, BaseException | None]:
@@ -343,7 +350,7 @@ def save(
     target = root / f"step-{step:08d}"
     staging = root / f".{target.name}.tmp"
     leader = not _is_distributed(model) or dist.get_rank() == 0
-    writes = getattr(model, "dp_rank", 0) == 0  # data-parallel replicas hold the same layers
+    writes = _engine(model).comm.dp_rank == 0  # data-parallel replicas hold the same layers
 
     # Every rank is here (its files of this step, if any, are written): rank 0 prepares the folder.
     _agree(model, None, None)
@@ -377,7 +384,7 @@ def save(
         raise
     manifest = {
         "step": step,
-        "num_layers": sum(getattr(model, "balance", [])),
+        "num_layers": sum(_engine(model).balance),
         "files": sorted({name for names in written if names for name in names}),
     }
 
@@ -480,7 +487,7 @@ def load(model: nn.Module, directory: str | os.PathLike[str]) -> int:
         raise FileNotFoundError(f"no complete checkpoint in {str(directory)!r} (no {LATEST} or {MANIFEST})")
     manifest = target / MANIFEST
     step, saved_layers, files = _read_manifest(manifest)
-    num_layers = sum(getattr(model, "balance", []))
+    num_layers = sum(_engine(model).balance)
     if saved_layers != num_layers:
         raise CheckpointError(f"checkpoint {str(target)!r} holds {saved_layers} layers, the model has {num_layers}")
     wanted = dict(_layers(model))

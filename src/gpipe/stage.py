@@ -605,6 +605,22 @@ class Stage:
             bn.commit()
 
 
+def loss_scale(
+    loss_count: Callable[[Any], int | Tensor] | None, target: Any, sizes: Sequence[int], total: int
+) -> list[float]:
+    """What each micro-batch's loss is multiplied by: its share of the mini-batch's ``total``
+    samples, or with ``loss_count`` one over the items the whole mini-batch counts (every replica's)."""
+    if loss_count is None:
+        return [n / total for n in sizes]
+    found = loss_count(target)
+    if isinstance(found, Tensor) and found.numel() != 1:
+        raise ValueError(f"loss_count must return a number, got a tensor of shape {tuple(found.shape)}")
+    count = found.item() if isinstance(found, Tensor) else found
+    if not isinstance(count, (int, float)) or count < 0:
+        raise ValueError(f"loss_count must return a number >= 0 (loss_count(target): {count!r})")
+    return [1.0 / count if count else 0.0] * len(sizes)
+
+
 def stages_of(
     partitions: Sequence[nn.Sequential], devices: Sequence[torch.device], loss_fn: LossFn | None = None
 ) -> list[Stage]:

@@ -1,0 +1,248 @@
+"""Building a pipeline: from layers, a balance and a schedule to a running engine.
+
+:func:`build` does it once — in one process (every worker a device here) or as one rank of
+torch.distributed (with data parallelism beside the pipeline on a 2-D DeviceMesh) — in this order:
+how many workers; the balance (``'auto'``: timed on rank 0, shared); the schedule's placement
+(:class:`~gpipe.placement.Placement`); the stages, each materialized only where it is placed; the tied
+parameters and, under torch.distributed, their process groups; the transport; the executor; and the
+step's collectives (:class:`~gpipe.distributed.Collectives`, nothing to do in one process).
+``Pipeline`` and ``GPipe`` are front ends over the :class:`Engine` this returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from gpipe.distributed import ChannelTransport, Collectives, RankCollectives, collective, start_heartbeat, tie_name
+from gpipe.executor import Executor
+from gpipe.partition import Layers, auto_balance, check_balance, partition, resolve_devices
+from gpipe.placement import Placement
+from gpipe.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
+from gpipe.schedule.generate import make_schedule
+from gpipe.schedule.ir import round_robin
+from gpipe.stage import LossFn, Stage
+from gpipe.tied import Tie, layer_at, local_ties, names, with_shared
+
+__all__ = ["Engine", "build", "placement_of", "planner_of"]
+
+
+@dataclass
+class Engine:
+    """A built pipeline as this process holds it."""
+
+    placement: Placement
+    executor: Executor
+    partitions: dict[int, nn.Sequential]
+    """This process's stages' layers, by stage index."""
+    balance: list[int]
+    devices: list[torch.device]
+    """The devices of this process's workers."""
+    ties: list[Tie]
+    comm: Collectives
+    planner: Planner
+
+    @property
+    def stages(self) -> list[Stage]:
+        """This process's stages, in pipeline order."""
+        return [self.executor.stages[s] for s in sorted(self.executor.stages)]
+
+
+def placement_of(schedule: str | AutoSchedule, workers: int, chunks: int, virtual: int) -> tuple[int, ...]:
+    """Which worker holds each stage under ``schedule`` (the generator's own placement; 'auto'
+    plans over one stage per worker, or ``virtual`` stages round-robin)."""
+    if isinstance(schedule, AutoSchedule) or schedule == "auto":
+        return round_robin(workers * virtual, workers)
+    return make_schedule(schedule, workers, chunks, virtual).placement
+
+
+def planner_of(schedule: str | AutoSchedule, placement: Placement, virtual: int, comm: Collectives) -> Planner:
+    if isinstance(schedule, str) and schedule != "auto":
+        return FixedPlanner(schedule, placement.num_workers, virtual)
+    options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
+    return AutoPlanner(placement.num_workers, placement.worker_of, options, comm.gather, comm.dp_rank)
+
+
+def build(
+    module: Layers,
+    balance: Sequence[int] | str,
+    *,
+    schedule: str | AutoSchedule,
+    chunks: int,
+    loss_fn: LossFn | None,
+    devices: Sequence[torch.device | str | int] | None = None,
+    virtual: int = 1,
+    cpu_threads: int | None = None,
+    deferred_batch_norm: bool = False,
+    timeout: float = 60.0,
+    data_parallel: int = 1,
+    init_seed: int = 0,
+    sample: Any = None,
+    tied: Sequence[Sequence[str]] = (),
+    init_fn: Callable[[nn.Module], None] | None = None,
+    distributed: bool = False,
+) -> Engine:
+    """Build the engine of a pipeline (see :class:`gpipe.Pipeline` for the arguments)."""
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual <= 0:
+        raise ValueError(f"virtual stages per worker must be a positive integer (virtual: {virtual!r})")
+    if distributed:
+        return _build_ranks(
+            module, balance, schedule=schedule, chunks=chunks, loss_fn=loss_fn, devices=devices, virtual=virtual,
+            deferred_batch_norm=deferred_batch_norm, timeout=timeout, data_parallel=data_parallel,
+            init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn,
+        )  # fmt: skip
+    if balance == "auto":
+        if devices is None:
+            raise ValueError("balance='auto' needs devices=[...]: one device per worker to balance over")
+        balance = auto_balance(module, len(devices) * virtual, sample, chunks)
+    balance = check_balance(module, balance)
+    if len(balance) % virtual:
+        raise ValueError(
+            f"the number of stages must be a multiple of the virtual stages per worker "
+            f"(stages: {len(balance)}, virtual: {virtual}); give one balance entry per stage"
+        )
+    workers = len(balance) // virtual
+    placement = Placement(placement_of(schedule, workers, chunks, virtual), tuple(resolve_devices(devices, workers)))
+    tied = with_shared(module, balance, tied)
+    partitions = partition(
+        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
+        tied=tied, init_fn=init_fn,
+    )  # fmt: skip
+    stages = _stages(partitions, balance, placement, loss_fn)
+    return Engine(
+        placement,
+        Executor(stages, placement, cpu_threads=cpu_threads),
+        dict(enumerate(partitions)),
+        balance,
+        list(placement.devices),
+        local_ties(partitions, balance, tied),
+        Collectives(),
+        planner_of(schedule, placement, virtual, Collectives()),
+    )
+
+
+def _stages(
+    partitions: Sequence[nn.Sequential], balance: Sequence[int], placement: Placement, loss_fn: LossFn | None
+) -> list[Stage]:
+    firsts = [sum(balance[:s]) for s in range(len(balance))]
+    last = len(balance) - 1
+    return [
+        Stage(s, partitions[s], firsts[s], placement.device_of(s), loss_fn if s == last else None)
+        for s in placement.local_stages
+    ]
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _build_ranks(
+    module: Layers,
+    balance: Sequence[int] | str,
+    *,
+    schedule: str | AutoSchedule,
+    chunks: int,
+    loss_fn: LossFn | None,
+    devices: Sequence[torch.device | str | int] | None,
+    virtual: int,
+    deferred_batch_norm: bool,
+    timeout: float,
+    data_parallel: int,
+    init_seed: int,
+    sample: Any,
+    tied: Sequence[Sequence[str]],
+    init_fn: Callable[[nn.Module], None] | None,
+) -> Engine:
+    """One rank of K (x data_parallel): this rank's stages on its device, the others on 'meta'."""
+    world, me, dp = dist.get_world_size(), dist.get_rank(), data_parallel
+    if world % dp:
+        raise ValueError(f"the world size is not a multiple of data_parallel (world: {world}, data_parallel: {dp})")
+    if devices is not None and len(devices) != world:
+        raise ValueError(
+            f"under torch.distributed, devices lists one device per rank (devices: {len(devices)}, ranks: {world})"
+        )
+    start_heartbeat(timeout)
+    k = world // dp
+    if balance == "auto":  # rank 0 times the layers (timings differ between processes; the balance must not)
+        found: list[Any] = [auto_balance(module, k * virtual, sample, chunks) if me == 0 else None]
+        with collective("broadcast of the automatic balance from rank 0"):
+            dist.broadcast_object_list(found, src=0)
+        balance = list(found[0])
+    balance = check_balance(module, balance)
+    if len(balance) != k * virtual:
+        raise ValueError(
+            f"balance has {len(balance)} stages but {k} pipeline ranks x {virtual} virtual stages "
+            "run here; give one balance entry per stage"
+        )
+    device = torch.device(devices[me]) if devices is not None else _default_device()
+    with collective("creation of the device mesh"):
+        mesh = init_device_mesh(device.type, (dp, k), mesh_dim_names=("dp", "pp"))
+    dp_group = mesh["dp"].get_group() if dp > 1 else None
+    pp_group = mesh["pp"].get_group()
+    for group in (dp_group, pp_group):  # the mesh's groups wait 30 min by default
+        if group is not None:
+            _set_pg_timeout(timedelta(seconds=timeout), group)
+    replicas = mesh.mesh.tolist()
+    placement = Placement.distributed(placement_of(schedule, k, chunks, virtual), device, replicas, me)
+    tied = with_shared(module, balance, tied)
+    partitions = partition(
+        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
+        tied=tied, init_fn=init_fn,
+    )  # fmt: skip
+    stages = _stages(partitions, balance, placement, loss_fn)
+    with collective("creation of the pipeline's process groups"):
+        transport = ChannelTransport(placement, device, timeout=timeout)
+    ties = _rank_ties(partitions, balance, tied, placement, timeout)
+    comm = RankCollectives(placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp)
+    return Engine(
+        placement,
+        Executor(stages, placement, transport=transport),
+        {s: partitions[s] for s in placement.local_stages},
+        balance,
+        [device],
+        ties,
+        comm,
+        planner_of(schedule, placement, virtual, comm),
+    )
+
+
+def _rank_ties(
+    partitions: Sequence[nn.Sequential],
+    balance: Sequence[int],
+    tied: Sequence[Sequence[str]],
+    placement: Placement,
+    timeout: float,
+) -> list[Tie]:
+    """Per tie, this rank's copies and a process group of the ranks holding copies (created by
+    every rank for every replica, in the same order: new_group is collective)."""
+    ties = []
+    me = dist.get_rank()
+    for members in names(tied):
+        stages = [layer_at(partitions, balance, i)[0] for i, _ in members]
+        tie = Tie(members)
+        for ranks in placement.replicas:
+            holders = sorted({placement.rank_of(s, ranks) for s in stages})
+            with collective(f"creation of the process group of tied parameter {tie_name(tie)}"):
+                group = dist.new_group(holders, timeout=timedelta(seconds=timeout)) if len(holders) > 1 else None
+            if me in ranks:
+                tie.group, tie.owner = group, placement.rank_of(stages[0], ranks)
+        tie.local = [
+            layer_at(partitions, balance, i)[1].get_parameter(path)
+            for (i, path), s in zip(members, stages)
+            if placement.holds(s)
+        ]
+        with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
+            tie.sync_values()
+        ties.append(tie)
+    return ties

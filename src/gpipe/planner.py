@@ -1,0 +1,246 @@
+"""Which schedule a step runs: a fixed generator's, or ``'auto'``'s, planned from measured costs.
+
+A fixed schedule is generated once per number of micro-batches M. ``schedule='auto'`` (or an
+:class:`AutoSchedule` with options) is the zero-bubble paper's answer to uneven costs, made at run
+time: the first step at a given M runs a schedule planned for equal costs within the memory cap, its
+actions timed; from that trace — every rank's under torch.distributed, gathered so that all ranks
+plan from the same numbers and build the same schedule — come each stage's mean F, I, W and B, the
+hand-over time (how long an action waited past the end of the action on another worker it needed,
+when nothing else held it up) and, for a cap in bytes, each stage's activation bytes per micro-batch
+(measured with the activation meter). :func:`gpipe.schedule.auto.plan` then builds the fastest schedule
+that fits the cap. Costs are measured again after the second step (the first plan's own trace
+measures the split backward, which the equal-cost schedule may not have run) and every
+``replan_every`` steps after; a new plan is made when some stage's cost moved by more than ``drift``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe.executor import TraceEvent
+from gpipe.memory import ActivationMeter
+from gpipe.schedule.auto import Plan, StageCosts, plan
+from gpipe.schedule.generate import make_schedule
+from gpipe.schedule.ir import Action, ActionKind, Schedule
+
+Span = tuple[int, Action, int, int]
+"""An executed action: (worker, action, start, end), in nanoseconds of ``time.perf_counter_ns``."""
+
+__all__ = ["AutoPlanner", "AutoSchedule", "FixedPlanner", "Planner", "parse_memory_cap"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory_cap(cap: int | str | None) -> tuple[str, float] | None:
+    """``('microbatches', n)`` for an int, ``('bytes', n)`` for a size such as ``'512MiB'`` or
+    ``'2GB'``; None for no cap."""
+    if cap is None:
+        return None
+    if isinstance(cap, int) and not isinstance(cap, bool):
+        if cap <= 0:
+            raise ValueError(f"memory_cap must be positive (memory_cap: {cap}): micro-batches a worker may hold")
+        return "microbatches", float(cap)
+    if isinstance(cap, str):
+        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", cap.lower())
+        if found and found.group(2) in _UNITS and float(found.group(1)) > 0:
+            return "bytes", float(found.group(1)) * _UNITS[found.group(2)]
+    raise ValueError(
+        f"memory_cap must be a number of micro-batches (an int) or a size in bytes such as '512MiB' or '2GB' "
+        f"(memory_cap: {cap!r})"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoSchedule:
+    """Options of ``schedule='auto'``.
+
+    Args:
+        memory_cap: per worker, the most activation memory a step may hold: micro-batches (an int:
+            one micro-batch's activations on one stage counts 1) or bytes (``'512MiB'``, ``'2GB'``,
+            measured as ``Pipeline(measure_memory=True)`` does). None: no cap.
+        costs: plan from these costs (e.g. what ``gpipe schedule --auto`` was given) instead of
+            measuring them; the schedule then never changes.
+        replan_every: steps between measurements after the second step.
+        drift: the relative change of a stage's cost that makes a new plan.
+    """
+
+    memory_cap: int | str | None = None
+    costs: StageCosts | None = None
+    replan_every: int = 50
+    drift: float = 0.25
+
+    def __post_init__(self) -> None:
+        parse_memory_cap(self.memory_cap)
+        if self.costs is not None and not isinstance(self.costs, StageCosts):
+            raise TypeError(f"costs must be a gpipe.schedule.StageCosts (costs: {self.costs!r})")
+        if not isinstance(self.replan_every, int) or self.replan_every <= 0:
+            raise ValueError(f"replan_every must be a positive integer (replan_every: {self.replan_every!r})")
+        if not isinstance(self.drift, (int, float)) or not self.drift >= 0:
+            raise ValueError(f"drift must be a fraction >= 0 (drift: {self.drift!r})")
+
+
+class Planner:
+    """The schedule of each step (an interface: see :class:`FixedPlanner` and :class:`AutoPlanner`)."""
+
+    name: str
+
+    def schedule_for(self, microbatches: int) -> Schedule:
+        raise NotImplementedError
+
+    def measures_memory(self, microbatches: int) -> bool:
+        """Whether the next step at ``microbatches`` should meter activation memory for the plan."""
+        return False
+
+    def observe(self, microbatches: int, events: Sequence[TraceEvent], meter: ActivationMeter | None) -> None:
+        """A step at ``microbatches`` ran: its trace, and its meter where it measured memory."""
+
+
+class FixedPlanner(Planner):
+    """A generator's schedule, made once per number of micro-batches."""
+
+    def __init__(self, name: str, workers: int, virtual: int) -> None:
+        self.name, self.workers, self.virtual = name, workers, virtual
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - a few M per pipeline
+    def schedule_for(self, microbatches: int) -> Schedule:
+        return make_schedule(self.name, self.workers, microbatches, self.virtual)
+
+
+class AutoPlanner(Planner):
+    """``schedule='auto'``: plans from the costs measured at each number of micro-batches.
+
+    ``gather(value)`` returns every rank's value (in rank order; ``[value]`` in one process);
+    ``replica`` is this process's data-parallel replica."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        workers: int,
+        placement: Sequence[int],
+        options: AutoSchedule,
+        gather: Callable[[Any], list[Any]],
+        replica: int = 0,
+    ) -> None:
+        self.workers, self.placement, self.options, self.gather = workers, tuple(placement), options, gather
+        self.replica = replica
+        self.cap = parse_memory_cap(options.memory_cap)
+        self.num_stages = len(self.placement)
+        self.costs: dict[int, StageCosts] = {}
+        self.plans: dict[int, Plan] = {}
+        self.steps: dict[int, int] = {}
+        self.replans = 0
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The plan of the latest number of micro-batches planned for."""
+        return next(reversed(self.plans.values()), None)
+
+    def _minimum(self) -> tuple[float, ...]:
+        return tuple(float(self.placement.count(w)) for w in range(self.workers))
+
+    def schedule_for(self, microbatches: int) -> Schedule:
+        found = self.plans.get(microbatches)
+        if found is None:
+            costs = self.options.costs or self.costs.get(microbatches)
+            cap: float | tuple[float, ...] | None = None
+            if costs is None:  # not measured yet: plan for equal costs
+                costs = StageCosts.uniform(self.num_stages)
+                if self.cap is not None:  # a cap in bytes is not known in micro-batches yet: the least memory
+                    cap = self.cap[1] if self.cap[0] == "microbatches" else self._minimum()
+            elif self.cap is not None:
+                cap = self.cap[1]
+            found = self.plans[microbatches] = plan(
+                self.workers, microbatches, costs, memory_cap=cap, placement=self.placement
+            )
+        return found.schedule
+
+    def measures_memory(self, microbatches: int) -> bool:
+        return (
+            self.cap is not None
+            and self.cap[0] == "bytes"
+            and self.options.costs is None
+            and self._measuring(self.steps.get(microbatches, 0) + 1)
+        )
+
+    def _measuring(self, step: int) -> bool:
+        return step in (1, 2) or step % self.options.replan_every == 0
+
+    def observe(self, microbatches: int, events: Sequence[TraceEvent], meter: ActivationMeter | None) -> None:
+        step = self.steps[microbatches] = self.steps.get(microbatches, 0) + 1
+        if self.options.costs is not None or not self._measuring(step):
+            return
+        spans = [(e.worker, e.action, e.start_ns, e.end_ns) for e in events]
+        found = self.gather((self.replica, spans, dict(meter.stage_peak) if meter is not None else None))
+        costs = self._measured(found)
+        old = self.costs.get(microbatches)
+        if old is None or _drift(old, costs) > self.options.drift:
+            self.costs[microbatches] = costs
+            self.plans.pop(microbatches, None)
+            self.replans += 1
+
+    def _measured(self, found: list[tuple[int, list[Span], dict[int, int] | None]]) -> StageCosts:
+        """Costs from every rank's (replica, spans, per-stage bytes): durations averaged over the
+        replicas, hand-over waits taken within each replica (its ranks' clocks are compared)."""
+        durations: dict[Action, list[float]] = {}
+        peaks: dict[int, int] = {}
+        by_replica: dict[int, list[Span]] = {}
+        for replica, spans, stage_peak in found:
+            for _, action, start, end in spans:
+                durations.setdefault(action, []).append((end - start) / 1e9)
+            by_replica.setdefault(replica, []).extend(spans)
+            for s, b in (stage_peak or {}).items():
+                peaks[s] = max(peaks.get(s, 0), b)
+        waits = [w for spans in by_replica.values() for w in _handover_waits(spans, self.placement)]
+        mean = {a: sum(v) / len(v) for a, v in durations.items()}
+        memory = None
+        if self.cap is not None and self.cap[0] == "bytes" and peaks:
+            memory = [float(peaks.get(s, max(peaks.values()))) for s in range(self.num_stages)]
+        transfer = statistics.median(waits) if waits else 0.0
+        return StageCosts.from_trace(mean, self.num_stages, memory=memory, transfer=transfer)
+
+
+def _handover_waits(spans: Sequence[Span], placement: Sequence[int]) -> list[float]:
+    """For every action that needed an action of another worker and was held up by nothing else
+    (its worker was idle when the other ended): how long after that end it started, in seconds."""
+    where = {a: (w, start, end) for w, a, start, end in spans}
+    previous_end: dict[Action, int] = {}
+    for w in {w for w, _, _, _ in spans}:
+        mine = sorted(((start, end, a) for v, a, start, end in spans if v == w), key=lambda t: (t[0], t[1]))
+        for (_, end, _), (_, _, a) in itertools.pairwise(mine):
+            previous_end[a] = end
+    waits = []
+    for a, (_, start, _) in where.items():
+        if a.kind is ActionKind.BACKWARD_WEIGHT:
+            continue
+        for d in _needs(a, len(placement), where):
+            if d in where and placement[d.stage] != placement[a.stage]:
+                _, _, produced = where[d]
+                if previous_end.get(a, 0) <= produced <= start:
+                    waits.append((start - produced) / 1e9)
+    return waits
+
+
+def _needs(action: Action, num_stages: int, present: dict[Action, Any]) -> tuple[Action, ...]:
+    """The actions of another stage whose results ``action`` consumes."""
+    m, s = action.microbatch, action.stage
+    if action.kind is ActionKind.FORWARD:
+        return (Action(ActionKind.FORWARD, m, s - 1),) if s > 0 else ()
+    if s == num_stages - 1:
+        return ()
+    split = Action(ActionKind.BACKWARD_INPUT, m, s + 1)
+    return (split if split in present else Action(ActionKind.BACKWARD, m, s + 1),)
+
+
+def _drift(old: StageCosts, new: StageCosts) -> float:
+    """The largest relative change of a stage's F, I or W."""
+    worst = 0.0
+    for a, b in zip(old.forward + old.input + old.weight, new.forward + new.input + new.weight):
+        worst = max(worst, abs(b - a) / max(a, 1e-12))
+    return worst
