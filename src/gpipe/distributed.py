@@ -515,13 +515,13 @@ class ChannelTransport(Transport):
                     group = dist.new_group(sorted({ranks[src], ranks[dst]}), timeout=timedelta(seconds=timeout))
                     if me in ranks:
                         self._channels[(src, dst, kind)] = _Channel(ranks[src], ranks[dst], kind, group, comm_device)
-        self._routes: dict[Schedule, tuple[dict[_Channel, list[Key]], dict[_Channel, list[Key]]]] = {}
+        self._routes: dict[int, tuple[Schedule, dict[_Channel, list[Key]], dict[_Channel, list[Key]]]] = {}
 
     def _route(self, schedule: Schedule) -> tuple[dict[_Channel, list[Key]], dict[_Channel, list[Key]]]:
         """Per channel, the keys this rank sends and receives over it, in the order they travel."""
-        found = self._routes.get(schedule)
-        if found is not None:
-            return found
+        found = self._routes.get(id(schedule))  # (a step's schedule is a cached object: no hashing of it)
+        if found is not None and found[0] is schedule:
+            return found[1], found[2]
         sends: dict[_Channel, list[Key]] = {}
         recvs: dict[_Channel, list[Key]] = {}
         me, worker_of, last = self.placement.rank, schedule.placement, schedule.num_stages - 1
@@ -542,7 +542,7 @@ class ChannelTransport(Transport):
                     recvs.setdefault(channel, []).append(key)
         if len(self._routes) > 32:  # a few (schedule, phase) pairs per pipeline
             self._routes.clear()
-        self._routes[schedule] = sends, recvs
+        self._routes[id(schedule)] = schedule, sends, recvs
         return sends, recvs
 
     def mailbox(self, schedule: Schedule) -> Mailbox:

@@ -61,6 +61,8 @@ from gpipe.sequential import to_sequential
 
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
+V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
+
 MODELS = ("transformer", "amoebanet", "hf")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
@@ -166,7 +168,9 @@ class TrainConfig:
     logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
     chunks: int = field(default=4, metadata={"help": "M: micro-batches per mini-batch"})
-    schedule: str = field(default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}"})
+    schedule: str = field(
+        default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}, auto (planned from measured costs)"}
+    )
     checkpoint: str = field(default="except_last", metadata={"help": "re-materialization: always, except_last, never"})
     threads: int = field(
         default=1, metadata={"help": "intra-op threads per stage, fixed so that runs are bitwise equal whatever K"}
@@ -195,6 +199,11 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "random seed"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
+    @property
+    def virtual(self) -> int:
+        """Stages per worker: two in the V schedules (zb-v, dualpipev), else one."""
+        return 2 if self.schedule in V_SCHEDULES else 1
+
     def check(self) -> None:
         """Refuse bad settings, naming them and the fix, before any work starts: a wrong type
         (:class:`ConfigTypeError`, a ``TypeError``), a value out of range, or paths that cannot work
@@ -203,8 +212,8 @@ class TrainConfig:
             _typed(f.name, getattr(self, f.name), str(f.type))
         if self.model not in MODELS:
             raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in (*SCHEDULES, "auto"):
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, auto")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(
                 f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
@@ -231,9 +240,10 @@ class TrainConfig:
             raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
         self._check_hf()
         layers, formula = self.model_layers()
-        if self.partitions > layers:
+        if self.partitions * self.virtual > layers:
+            v = f" x {self.virtual} stages each ({self.schedule})" if self.virtual > 1 else ""
             raise ConfigError(
-                f"--partitions {self.partitions} exceeds the model's {layers} layers "
+                f"--partitions {self.partitions}{v} exceeds the model's {layers} layers "
                 f"({formula}); use fewer partitions or more layers"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -446,7 +456,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
         model,
-        balance_by_flops(cfg.partitions, model, sample, chunks=cfg.chunks),  # from shapes, on the meta device
+        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks),  # from shapes, on 'meta'
+        virtual=cfg.virtual,
         chunks=cfg.chunks,
         deferred_batch_norm=cfg.model == "amoebanet",
         schedule=cfg.schedule,
