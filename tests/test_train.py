@@ -31,6 +31,16 @@ def test_learns_below_the_unigram_baseline_and_is_the_same_for_one_and_two_stage
     assert (tmp_path / "k2" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_v_schedule_trains_two_stages_per_worker_and_is_the_same_for_one_and_two_workers(tmp_path: Path) -> None:
+    two = train(quick(tmp_path / "k2", steps=12, partitions=2, schedule="zb-v", eval_every=12))
+    one = train(quick(tmp_path / "k1", steps=12, partitions=1, schedule="zb-v", eval_every=12))
+    assert losses(tmp_path / "k1") == losses(tmp_path / "k2")
+    assert two["eval_loss"] == one["eval_loss"]
+    quick(tmp_path / "k9", partitions=3, schedule="dualpipev", layers=2).check()  # 6 stages, 7 layers: fine
+    with pytest.raises(ValueError, match=r"--partitions 4 x 2 stages each \(dualpipev\) exceeds"):
+        quick(tmp_path / "k9", partitions=4, schedule="dualpipev", layers=2).check()
+
+
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     train(quick(tmp_path / "full", steps=40, checkpoint_every=20, eval_every=20))
     train(quick(tmp_path / "part", steps=20, checkpoint_every=20, eval_every=20))
