@@ -3,6 +3,7 @@ generator that fits the same cap, and explained."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -14,6 +15,8 @@ from gpipe.cli import main
 from gpipe.schedule import (
     SCHEDULES,
     ActionKind,
+    Candidate,
+    Plan,
     Schedule,
     StageCosts,
     auto_schedule,
@@ -407,3 +410,32 @@ def test_cli_auto_rejects_bad_flags(argv: list[str], message: str, capsys: pytes
 def test_cli_fixed_schedule_with_transfer(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "--schedule", "gpipe", "--stages", "2", "--chunks", "1", "--costs", "transfer=1"]) == 0
     assert "makespan 6," in capsys.readouterr().out  # 4 + two hand-overs
+
+
+def test_jitter_from_a_trace_is_the_spread_of_actions_of_a_stage_and_kind() -> None:
+    trace = {F(0, 0): 0.9, F(1, 0): 1.1, B(0, 0): 2.0, B(1, 0): 2.0}
+    costs = StageCosts.from_trace(trace, 1)
+    # deviations from the means: F -0.1, +0.1 (of 1), B 0, 0: pooled sqrt((0.01 + 0.01 + 0 + 0) / 4)
+    assert costs.jitter == pytest.approx(math.sqrt(0.005))
+    assert StageCosts.from_trace({F(0, 0): 1.0, B(0, 0): 2.0}, 1).jitter == 0
+
+
+def test_jitter_prefers_the_schedule_with_slack() -> None:
+    """With F = I = 45, W = 79 (this CPU's measured costs) zb-h1 and zb-h2 take the same simulated
+    time; when action times vary, zb-h2's extra warm-up forwards absorb the variation."""
+    steady = plan(2, 8, StageCosts.uniform(2, F=45, I=45, W=79))
+    assert steady.chosen == "zb-h1"  # as fast, and fewer micro-batches held
+    noisy_costs = dataclasses.replace(StageCosts.uniform(2, F=45, I=45, W=79), jitter=0.2)
+    noisy = plan(2, 8, noisy_costs)
+    by_name = {c.name: c for c in noisy.candidates}
+    assert by_name["zb-h2"].expected < by_name["zb-h1"].expected < by_name["gpipe"].expected
+    assert noisy.chosen != "zb-h1" and _no_slower(noisy, by_name)
+    assert plan(2, 8, noisy_costs).schedule == noisy.schedule  # the same draws every time
+    assert "expected" in noisy.table() and "jitter=0.2" in noisy.explain()
+    with pytest.raises(ValueError, match="jitter"):
+        dataclasses.replace(noisy_costs, jitter=-1.0)
+
+
+def _no_slower(p: Plan, by_name: dict[str, Candidate]) -> bool:
+    chosen = by_name[p.chosen].expected
+    return all(math.isnan(c.expected) or chosen <= c.expected for c in p.candidates if c.fits)

@@ -19,6 +19,7 @@ the schedule the cost-adaptive scheduler picks for those costs (see :mod:`gpipe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -99,17 +100,17 @@ def _costs(text: str) -> dict[str, float]:
     costs = {}
     for item in filter(None, text.split(",")):
         kind, _, value = item.partition("=")
-        if kind not in ("F", "B", "I", "W", "transfer") or not value:
+        if kind not in ("F", "B", "I", "W", "transfer", "jitter") or not value:
             raise argparse.ArgumentTypeError(
-                f"expected KIND=COST with KIND one of F, B, I, W, or transfer=TIME (got {item!r})"
+                f"expected KIND=COST with KIND one of F, B, I, W, or transfer=TIME, jitter=CV (got {item!r})"
             )
         try:
             costs[kind] = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"cost of {kind} is not a number (got {value!r})") from None
-        if kind == "transfer":
+        if kind in ("transfer", "jitter"):
             if not costs[kind] >= 0 or not math.isfinite(costs[kind]):
-                raise argparse.ArgumentTypeError(f"transfer time must be finite and >= 0 (got {value})")
+                raise argparse.ArgumentTypeError(f"{kind} must be finite and >= 0 (got {value})")
         elif not costs[kind] > 0 or not math.isfinite(costs[kind]):
             raise argparse.ArgumentTypeError(f"cost of {kind} must be positive and finite (got {value})")
     return costs
@@ -139,6 +140,9 @@ def schedule(args: argparse.Namespace) -> int:
         return auto(args)
     costs = dict(args.costs)
     transfer = costs.pop("transfer", 0.0)
+    if costs.pop("jitter", 0.0):
+        print("error: jitter=... is for --auto (it ranks candidates by their expected step time)", file=sys.stderr)
+        return 2
     try:
         sched = make_schedule(args.schedule, args.stages, args.chunks, args.virtual)
     except ValueError as exc:
@@ -178,6 +182,7 @@ def auto(args: argparse.Namespace) -> int:
             B=given.get("B"),
             transfer=given.get("transfer", 0.0),
         )
+        costs = dataclasses.replace(costs, jitter=given.get("jitter", 0.0))
         result = plan(args.stages, args.chunks, costs, memory_cap=args.memory_cap)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

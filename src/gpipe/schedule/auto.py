@@ -40,9 +40,10 @@ its B, or its W after a split backward (:func:`peak_memory`).
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpipe.schedule import generate
 from gpipe.schedule.ir import (
@@ -91,6 +92,10 @@ class StageCosts:
     unit (default 1.0: "one micro-batch"), the unit of a memory cap. ``transfer`` is the time a
     hand-over (an activation or a gradient) between two workers takes (default 0).
 
+    ``jitter`` is how much an action's time varies around its stage's mean, as a coefficient of
+    variation (0: every action takes its mean). With jitter, :func:`plan` ranks candidates by their
+    mean step time over random draws of the action times, which favours schedules with slack.
+
     ``split_estimated[s]`` is true where I and W were not measured but estimated from B (see
     :meth:`from_trace`); it is informational (the estimate is used as the cost).
 
@@ -104,6 +109,7 @@ class StageCosts:
     memory: tuple[float, ...] | None = None
     transfer: float = 0.0
     split_estimated: tuple[bool, ...] | None = None
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.forward) if isinstance(self.forward, Sequence) else 0
@@ -119,6 +125,7 @@ class StageCosts:
             set_(self, "backward", _per_stage("backward", self.backward, n))
         set_(self, "memory", (1.0,) * n if self.memory is None else _per_stage("memory", self.memory, n))
         set_(self, "transfer", _check_value("transfer", self.transfer))
+        set_(self, "jitter", _check_value("jitter", self.jitter))
         if self.split_estimated is None:
             set_(self, "split_estimated", (False,) * n)
         elif len(self.split_estimated) != n:
@@ -199,6 +206,9 @@ class StageCosts:
             sums.setdefault((action.stage, action.kind.value), []).append(value)
         mean = {key: sum(v) / len(v) for key, v in sums.items()}
         fwd, inp, wgt, bwd, estimated = [], [], [], [], []
+        # The pooled coefficient of variation of the actions of a stage and kind (over micro-batches).
+        deviations = [(x / mean[key] - 1) ** 2 for key, v in sums.items() if mean[key] > 0 and len(v) > 1 for x in v]
+        jitter = math.sqrt(sum(deviations) / len(deviations)) if deviations else 0.0
         for s in range(num_stages):
             if (s, "F") not in mean:
                 raise ValueError(f"the trace has no forward (F) of stage {s}: give a trace of a whole step")
@@ -225,6 +235,7 @@ class StageCosts:
             memory=None if memory is None else tuple(memory),
             transfer=transfer,
             split_estimated=tuple(estimated),
+            jitter=jitter,
         )
 
     def cost(self, action: Action) -> float:
@@ -251,6 +262,8 @@ class StageCosts:
             f"B={fmt(self.fused)}",
             f"transfer={self.transfer:g}",
         ]
+        if self.jitter:
+            parts.append(f"jitter={self.jitter:.2g}")
         if len(set(self.activation)) > 1 or self.activation[0] != 1.0:
             parts.append(f"memory={fmt(self.activation)}")
         return ", ".join(parts)
@@ -287,6 +300,9 @@ class Candidate:
     peak_memory: tuple[float, ...]
     fits: bool
     schedule: Schedule = field(repr=False, compare=False)
+    expected: float = math.nan
+    """The mean step time over random draws of the action times (``costs.jitter``; the makespan
+    without jitter, NaN for a candidate too slow to be drawn for)."""
 
     @property
     def num_actions(self) -> int:
@@ -318,11 +334,16 @@ class Plan:
         """The candidates as a text table, fastest first (the chosen one marked ``*``)."""
         rows = sorted(self.candidates, key=_rank)
         width = max(len("candidate"), *(len(c.name) for c in rows))
-        lines = [f"  {'candidate':<{width}}  {'makespan':>10}  {'bubble':>7}  {'peak memory':>11}  fits cap"]
+        jitter = self.costs.jitter > 0
+        head = f"  {'candidate':<{width}}  {'makespan':>10}  " + (f"{'expected':>10}  " if jitter else "")
+        lines = [head + f"{'bubble':>7}  {'peak memory':>11}  fits cap"]
         for c in rows:
             mark = "*" if c.name == self.chosen else " "
+            expected = ("" if math.isnan(c.expected) else f"{c.expected:.4g}") if jitter else None
             lines.append(
-                f"{mark} {c.name:<{width}}  {c.makespan:>10.4g}  {c.bubble:>7.2%}  {max(c.peak_memory):>11.4g}  "
+                f"{mark} {c.name:<{width}}  {c.makespan:>10.4g}  "
+                + (f"{expected:>10}  " if expected is not None else "")
+                + f"{c.bubble:>7.2%}  {max(c.peak_memory):>11.4g}  "
                 + ("yes" if c.fits else "no")
             )
         return "\n".join(lines)
@@ -342,16 +363,63 @@ class Plan:
         )
 
 
-def _rank(c: Candidate) -> tuple[float, int, float]:
-    return (c.makespan, c.num_actions, max(c.peak_memory))
+def _time(c: Candidate) -> float:
+    """What a candidate is ranked by: its expected step time under jitter, else its makespan."""
+    return c.makespan if math.isnan(c.expected) else c.expected
+
+
+def _rank(c: Candidate) -> tuple[float, float, int, float]:
+    return (_time(c) if not math.isnan(c.expected) else math.inf, c.makespan, c.num_actions, max(c.peak_memory))
 
 
 def _best(candidates: Sequence[Candidate]) -> Candidate:
-    """The fastest; among those as fast (to a relative 1e-9, float noise), the one with the fewest
-    actions, then the lowest peak memory, then the first considered."""
-    fastest = min(c.makespan for c in candidates)
-    tied = [c for c in candidates if c.makespan <= fastest * (1 + 1e-9) + 1e-12]
+    """The fastest (expected step time under jitter, else makespan); among those as fast (to a
+    relative 1e-9, float noise), the one with the fewest actions, then the lowest peak memory, then
+    the first considered."""
+    drawn = [c for c in candidates if not math.isnan(c.expected)] or list(candidates)
+    fastest = min(_time(c) for c in drawn)
+    tied = [c for c in drawn if _time(c) <= fastest * (1 + 1e-9) + 1e-12]
     return min(tied, key=lambda c: (c.num_actions, max(c.peak_memory)))  # min keeps the first of equals
+
+
+_DRAWS = 24
+_DRAWN_WITHIN = 1.15  # candidates whose makespan is this close to the best are drawn for
+
+
+def _expected(candidates: list[Candidate], costs: StageCosts, microbatches: int) -> list[Candidate]:
+    """The candidates with their mean step time over ``_DRAWS`` draws of every action's time
+    (log-normal around its cost, coefficient of variation ``costs.jitter``; the same draws for every
+    candidate, from a fixed seed, so every rank plans alike)."""
+    if costs.jitter == 0 or not candidates:
+        return [replace(c, expected=c.makespan) for c in candidates]
+    best = min(c.makespan for c in candidates)
+    sigma = math.sqrt(math.log1p(costs.jitter**2))
+    rng = random.Random(0)
+    kinds = list(ActionKind)
+    draws = [
+        {
+            (k, m, s): rng.lognormvariate(-(sigma**2) / 2, sigma)
+            for k in kinds
+            for m in range(microbatches)
+            for s in range(costs.num_stages)
+        }
+        for _ in range(_DRAWS)
+    ]
+    out = []
+    for c in candidates:
+        if c.makespan > best * _DRAWN_WITHIN:
+            out.append(c)
+            continue
+        total = 0.0
+        for draw in draws:
+
+            def cost(a: Action, draw: dict[tuple[ActionKind, int, int], float] = draw) -> float:
+                return costs.cost(a) * draw[a.kind, a.microbatch, a.stage]
+
+            spans = _walk(c.schedule, cost, costs.transfer)
+            total += max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+        out.append(replace(c, expected=total / _DRAWS))
+    return out
 
 
 def _caps(memory_cap: float | Sequence[float] | None, workers: int) -> tuple[float, ...] | None:
@@ -683,14 +751,17 @@ def plan(
     for setting in _settings(costs):
         consider(setting.name, _greedy(workers, microbatches, costs, place, caps, setting))
 
-    fitting = [c for c in candidates if c.fits]
+    fitting = _expected([c for c in candidates if c.fits], costs, microbatches)
     if not fitting:  # cannot happen: the greedy scheduler holds any cap >= the minimum checked above
         raise ScheduleError(f"no candidate schedule fits the memory cap {caps}: a bug")
     best = _best(fitting)
     schedule = Schedule("auto", best.schedule.num_stages, microbatches, best.schedule.actions, place)
     validate(schedule)
     sim = Simulation(schedule, spans_of[best.name])
-    return Plan(schedule, best.name, sim, best.peak_memory, caps, costs, tuple(candidates))
+    drawn = {c.name: c for c in fitting}
+    return Plan(
+        schedule, best.name, sim, best.peak_memory, caps, costs, tuple(drawn.get(c.name, c) for c in candidates)
+    )
 
 
 def auto_schedule(
