@@ -397,7 +397,7 @@ def test_cli_auto_prints_the_candidates(tmp_path: Path, capsys: pytest.CaptureFi
         (["--auto", "--memory-cap", "3,x"], "expected a number, or one per worker"),
         (["--auto", "--memory-cap", "3,3"], "--memory-cap: give one number, or one per worker (4); got 2"),
         (["--auto", "--memory-cap", "-1"], "must be positive and finite"),
-        (["--auto", "--costs", "transfer=-1"], "transfer time must be finite and >= 0"),
+        (["--auto", "--costs", "transfer=-1"], "transfer must be finite and >= 0"),
         (["--auto", "--costs", "X=1"], "KIND one of F, B, I, W, or transfer=TIME"),
     ],
 )
