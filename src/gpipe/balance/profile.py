@@ -22,7 +22,17 @@ from torch import Tensor, nn
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch, scatter
 
-__all__ = ["layer_flops", "layer_memory", "layer_params", "layer_times", "layerwise_sandbox", "profiling_device"]
+__all__ = [
+    "as_leaves",
+    "backward_through",
+    "each_layer",
+    "layer_flops",
+    "layer_memory",
+    "layer_params",
+    "layer_times",
+    "layerwise_sandbox",
+    "profiling_device",
+]
 
 
 def profiling_device(device: torch.device | str | int | None, module: nn.Module) -> torch.device:
@@ -75,7 +85,7 @@ def _on(layer: nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in (*layer.parameters(), *layer.buffers()))
 
 
-def _leaves(batch: Batch) -> Batch:
+def as_leaves(batch: Batch) -> Batch:
     """Fresh inputs for a layer: detached copies, requiring grad where they can (as a stage's input
     does), and not leaves themselves, so that layers working in place run as they do in a pipeline
     (and leave ``batch`` untouched for the next run)."""
@@ -88,7 +98,7 @@ def _leaves(batch: Batch) -> Batch:
     return batch.map(fresh)
 
 
-def _backward(outputs: Batch) -> None:
+def backward_through(outputs: Batch) -> None:
     outs = [t for t in outputs.tensors() if t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
@@ -112,7 +122,7 @@ def _training_layers(module: nn.Sequential, device: torch.device | None) -> Iter
         yield [layer if device is None or _on(layer, device) else copy.deepcopy(layer).to(device) for layer in module]
 
 
-def _each_layer(
+def each_layer(
     module: nn.Sequential, batch: Batch, device: torch.device | None = None
 ) -> Iterator[tuple[nn.Module, Batch]]:
     """Every layer (in training mode, on ``device``) with its input, the previous layers' output on
@@ -147,11 +157,11 @@ def layer_times(
         while passes < max(repeats, 1) or time.perf_counter() - start < timeout:
             batch = first
             for i, layer in enumerate(layers):
-                inputs = _leaves(batch)
+                inputs = as_leaves(batch)
                 _sync(dev)
                 tick = time.perf_counter()
                 outputs = Batch.of(layer(inputs.value))
-                _backward(outputs)
+                backward_through(outputs)
                 _sync(dev)
                 runs[i].append(time.perf_counter() - tick)
                 batch = outputs.map(Tensor.detach)
@@ -175,9 +185,9 @@ def layer_memory(
     dev = profiling_device(device, module)
     batch = _first_micro_batch(sample, chunks, dev)
     sizes = []
-    for layer, inputs in _each_layer(module, batch, dev):
+    for layer, inputs in each_layer(module, batch, dev):
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        sizes.append(_activation_bytes(layer, _leaves(inputs), dev) + param_scale * params)
+        sizes.append(_activation_bytes(layer, as_leaves(inputs), dev) + param_scale * params)
     return sizes
 
 
@@ -207,11 +217,11 @@ def layer_flops(module: nn.Sequential, sample: Any, *, chunks: int = 1, backward
     dev = next(module.parameters(), torch.empty(0)).device
     batch = _first_micro_batch(sample, chunks, dev)
     flops = []
-    for layer, inputs in _each_layer(module, batch):
+    for layer, inputs in each_layer(module, batch):
         with FlopCounterMode(display=False) as counter:
-            outputs = Batch.of(layer(_leaves(inputs).value))
+            outputs = Batch.of(layer(as_leaves(inputs).value))
             if backward:
-                _backward(outputs)
+                backward_through(outputs)
         flops.append(float(counter.get_total_flops()))
     return flops
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gpipe.balance import solve
-from gpipe.balance.profile import _backward, _each_layer, _leaves
+from gpipe.balance.profile import as_leaves, backward_through, each_layer
 from gpipe.bench.common import Bench, Section, Workload, intra_op_threads, launch, spread, timed, workloads
 from gpipe.microbatch import Batch, scatter
 from gpipe.schedule import Action, ActionKind, make_schedule, simulate
@@ -43,13 +43,13 @@ def layer_costs(model: torch.nn.Sequential, sample: Any, repeats: int) -> tuple[
     """Each layer's forward and backward time (seconds, median of ``repeats``) on ``sample``,
     on the calling thread's intra-op threads."""
     forward, backward = [], []
-    for layer, batch in _each_layer(model, Batch.of(sample)):
+    for layer, batch in each_layer(model, Batch.of(sample)):
         fs, bs = [], []
         for _ in range(repeats + 1):  # the first run warms up
-            inputs = _leaves(batch)
+            inputs = as_leaves(batch)
             holder: list[Batch] = []
             fs.append(timed(lambda: holder.append(Batch.of(layer(inputs.value)))))  # noqa: B023
-            bs.append(timed(lambda: _backward(holder[0])))  # noqa: B023
+            bs.append(timed(lambda: backward_through(holder[0])))  # noqa: B023
         forward.append(statistics.median(fs[1:]))
         backward.append(statistics.median(bs[1:]))
     return forward, backward

@@ -51,9 +51,9 @@ from gpipe.schedule.ir import (
     ActionKind,
     Schedule,
     ScheduleError,
-    _walk,
     check_sizes,
     round_robin,
+    timeline,
     validate,
 )
 from gpipe.schedule.simulate import Simulation
@@ -416,7 +416,7 @@ def _expected(candidates: list[Candidate], costs: StageCosts, microbatches: int)
             def cost(a: Action, draw: dict[tuple[ActionKind, int, int], float] = draw) -> float:
                 return costs.cost(a) * draw[a.kind, a.microbatch, a.stage]
 
-            spans = _walk(c.schedule, cost, costs.transfer)
+            spans = timeline(c.schedule, cost, costs.transfer)
             total += max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
         out.append(replace(c, expected=total / _DRAWS))
     return out
@@ -736,7 +736,7 @@ def plan(
         if schedule.actions in seen:  # another setting built the same schedule
             return
         seen.add(schedule.actions)
-        spans = _walk(schedule, costs.cost, costs.transfer)
+        spans = timeline(schedule, costs.cost, costs.transfer)
         sim = Simulation(schedule, spans)
         peaks = peak_memory(schedule, costs)
         candidates.append(Candidate(name, sim.makespan, sim.bubble, peaks, fits(peaks), schedule))

@@ -40,6 +40,7 @@ __all__ = [
     "dependencies",
     "execution_order",
     "round_robin",
+    "timeline",
     "v_shape",
     "validate",
 ]
@@ -177,7 +178,7 @@ def validate(schedule: Schedule) -> None:
     for s in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):
             _check_complete(schedule, m, s, seen)
-    _walk(schedule, lambda a: 1.0)
+    timeline(schedule, lambda a: 1.0)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -243,7 +244,7 @@ producer and consumer stages are placed on different workers, or a function of (
 called only for such dependencies."""
 
 
-def _walk(
+def timeline(
     schedule: Schedule, cost: Callable[[Action], float], transfer: Transfer = 0.0
 ) -> dict[Action, tuple[float, float]]:
     """Start and end time of every action when each worker runs its list in order and waits for
@@ -292,5 +293,5 @@ def _walk(
 def execution_order(schedule: Schedule) -> list[Action]:
     """All actions in one sequence that respects every dependency and every worker's order (for
     running a schedule, or a phase of one, on a single thread)."""
-    spans = _walk(schedule, lambda a: 1.0)
+    spans = timeline(schedule, lambda a: 1.0)
     return sorted(spans, key=lambda a: spans[a])

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, Transfer, _walk, validate
+from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, Transfer, timeline, validate
 
 __all__ = ["Simulation", "kind_cost", "simulate", "unit_cost"]
 
@@ -101,4 +101,4 @@ def simulate(schedule: Schedule, cost: Cost | None = None, *, transfer: Transfer
     if not callable(transfer) and not (transfer >= 0 and math.isfinite(transfer)):
         raise ValueError(f"transfer time must be a finite number >= 0 (got {transfer!r})")
     validate(schedule)
-    return Simulation(schedule, _walk(schedule, cost or unit_cost, transfer))
+    return Simulation(schedule, timeline(schedule, cost or unit_cost, transfer))
