@@ -2,8 +2,13 @@
 
 The model of the engine benchmark (8 blocks of Linear(1024, 4096)-GELU-Linear(4096, 1024), flattened to
 24 layers), batch 256 in M=8 micro-batches, K=2 workers with one intra-op thread each, MSE loss. Every
-schedule runs with re-materialization off ('never') and on ('always'); the variants take turns
-within each repetition so that machine noise hits them alike.
+schedule of ``gpipe.schedule.SCHEDULES`` runs — one stage per worker (balance [12, 12]), or two per
+worker for 'interleaved-1f1b' (round robin), 'zb-v' and 'dualpipev' (V placement) with virtual=2
+(balance [6, 6, 6, 6]) — and so does ``schedule='auto'`` (one stage per worker), warmed up for 3 steps
+so that the schedule it is timed with is planned from measured costs. Every variant runs with
+re-materialization off ('never') and on ('always'); the variants take turns within each repetition
+so that machine noise hits them alike. The default run (16 variants, 5 repetitions) takes about
+4 minutes on a 2-core VM (sizes and repetitions unchanged).
 
 Measured per variant:
 - step time (median and spread over the repetitions);
@@ -13,7 +18,13 @@ Measured per variant:
   action costs (the runtime's own cost: waiting, hand-over, Python);
 - peak activation memory per worker (bytes autograd keeps for backward, measured in a separate step);
 - the mean time of each kind of action, and the bubble the simulator predicts from those means
-  (what the schedule would give if every action of a kind took the same time).
+  (what the schedule would give if every action of a kind took the same time);
+- for 'auto': the schedule its plan chose (``last_plan.chosen``) and the plan's simulated bubble
+  (under the costs it measured).
+
+The summary line gives, for 'never' and 'always', auto's measured bubble over fill-drain's (target
+<= 1/3) and auto's step time over the best fixed schedule's (target <= 1.02x; per repetition, median
+[min-max]).
 
 Reproduce:  .venv/bin/python benchmarks/schedules.py [--repeats 5] [--json out.json] [--pictures DIR]
 """
@@ -34,10 +45,14 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe import Pipeline
+from gpipe.planner import AutoPlanner
 from gpipe.schedule import kind_cost, render_timeline, simulate
+from gpipe.schedule.generate import SCHEDULES as GENERATORS
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}  # two stages per worker; the rest one
+SCHEDULES = [(name, VIRTUAL.get(name, 1)) for name in GENERATORS] + [("auto", 1)]
 CHECKPOINTS = ["never", "always"]
+AUTO_WARMUP = 3  # steps before timing: the first two measure costs, the third runs the plan made from them
 
 
 def model(blocks: int, hidden: int, ffn: int) -> nn.Sequential:
@@ -64,6 +79,17 @@ class Result:
     peak_mib: list[float] = field(default_factory=list)
     kind_ms: dict[str, list[float]] = field(default_factory=dict)
     mean_cost_bubbles: list[float] = field(default_factory=list)
+    virtual: int = 1
+    chosen: str | None = None  # 'auto': the candidate its plan chose
+    plan_bubble: float | None = None  # 'auto': the plan's simulated bubble under its measured costs
+
+
+def label(res: Result) -> str:
+    return f"{res.schedule} (v={res.virtual})" if res.virtual > 1 else res.schedule
+
+
+def ratio_spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,23 +108,33 @@ def main(argv: list[str] | None = None) -> int:
     x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
     pipes: dict[tuple[str, str], Pipeline] = {}
     results: dict[tuple[str, str], Result] = {}
+    not_run: dict[str, str] = {}
     for name, virtual in SCHEDULES:
         for ck in CHECKPOINTS:
-            pipes[(name, ck)] = Pipeline(
-                copy.deepcopy(base),
-                balance(len(base), 2 * virtual),
-                chunks=args.chunks,
-                schedule=name,
-                loss_fn=F.mse_loss,
-                checkpoint=ck,
-                virtual=virtual,
-                devices=["cpu", "cpu"],
-                cpu_threads=1,
-            )
-            results[(name, ck)] = Result(name, ck)
+            try:
+                pipes[(name, ck)] = Pipeline(
+                    copy.deepcopy(base),
+                    balance(len(base), 2 * virtual),
+                    chunks=args.chunks,
+                    schedule=name,
+                    loss_fn=F.mse_loss,
+                    checkpoint=ck,
+                    virtual=virtual,
+                    devices=["cpu", "cpu"],
+                    cpu_threads=1,
+                )
+            except ValueError as exc:  # e.g. dualpipev with M < 2K
+                not_run[name] = str(exc)
+                continue
+            results[(name, ck)] = Result(name, ck, virtual=virtual)
 
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; 2 'cpu' workers x 1 thread")
     print(f"# {' '.join(sys.argv)}")
+    for pipe in pipes.values():  # 'auto': plan from measured costs before the memory step and the timing
+        if pipe.schedule == "auto":
+            for _ in range(AUTO_WARMUP):
+                pipe.step(x, y)
+                pipe.zero_grad()
     for pipe in pipes.values():  # warm-up and peak memory, in a step of its own
         pipe.measure_memory = True
         pipe.step(x, y)
@@ -130,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in means.items():
                 res.kind_ms.setdefault(k, []).append(v * 1e3)
             res.mean_cost_bubbles.append(simulate(trace.schedule, kind_cost(**means)).bubble)
+    for (name, ck), pipe in pipes.items():
+        planner = pipe.engine.planner
+        if isinstance(planner, AutoPlanner) and planner.last_plan is not None:
+            results[(name, ck)].chosen = planner.last_plan.chosen
+            results[(name, ck)].plan_bubble = planner.last_plan.bubble
 
     if args.pictures:
         out = Path(args.pictures)
@@ -138,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             assert pipe.last_trace is not None
             render_timeline(pipe.last_trace.timeline(), out / f"{name}-{ck}.png", unit="seconds (measured)")
             pipe.last_trace.save_chrome(out / f"{name}-{ck}.trace.json")
+    for name, why in not_run.items():
+        print(f"# {name}: not run: {why}")
     fill = {ck: statistics.median(results[("gpipe", ck)].bubbles) for ck in CHECKPOINTS}
     fill_idle = {ck: statistics.median(results[("gpipe", ck)].idle) for ck in CHECKPOINTS}
     print(
@@ -146,16 +189,34 @@ def main(argv: list[str] | None = None) -> int:
         "| mean action (ms) | bubble simulated from mean costs |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (name, ck), res in results.items():
+    for (_, ck), res in results.items():
         t, b, idle = statistics.median(res.times), statistics.median(res.bubbles), statistics.median(res.idle)
-        label = f"{name} (v=2)" if name == "interleaved-1f1b" else name
         print(
-            f"| {label} | {ck} | {t:.3f} [{min(res.times):.3f}-{max(res.times):.3f}] | {b:.3f} "
+            f"| {label(res)} | {ck} | {t:.3f} [{min(res.times):.3f}-{max(res.times):.3f}] | {b:.3f} "
             f"| {b / fill[ck]:.2f} | {idle * 1e3:.0f} / {idle / fill_idle[ck]:.2f} "
             f"| {statistics.median(res.overheads):+.1%} | {', '.join(f'{p:.1f}' for p in res.peak_mib)} "
             f"| {' '.join(f'{k}={statistics.median(v):.0f}' for k, v in res.kind_ms.items())} "
             f"| {statistics.median(res.mean_cost_bubbles):.3f} |"
         )
+    print()
+    summary = []
+    for ck in CHECKPOINTS:
+        auto = results.get(("auto", ck))
+        if auto is None or not auto.times:
+            continue
+        print(
+            f"- auto, remat {ck}: chose {auto.chosen}; the plan's simulated bubble {auto.plan_bubble:.3f} "
+            f"(measured {statistics.median(auto.bubbles):.3f})"
+        )
+        fixed = [r for (n, c), r in results.items() if c == ck and n != "auto"]
+        best = min(fixed, key=lambda r: statistics.median(r.times))
+        steps = [a / b for a, b in zip(auto.times, best.times)]
+        summary.append(
+            f"{ck}: auto bubble / fill-drain's {statistics.median(auto.bubbles) / fill[ck]:.2f} (target <= 0.33), "
+            f"auto step / best fixed ({label(best)}) {ratio_spread(steps)} (target <= 1.02)"
+        )
+    if summary:
+        print(f"\nSummary — {'; '.join(summary)}.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results.values()], f, indent=1)

@@ -141,3 +141,44 @@ def test_engine_states_compiled_layers_that_ran_eagerly() -> None:
     assert "Transformer LM" not in lines  # 1.01x meets 1.02x
     assert "30.0 µs per (layer, micro-batch) in the Pipeline against 10.0 µs in plain PyTorch, 3.00x" in lines
     assert "- Compiled layers in the Pipeline: 0.60x the plain loop's step (target ≤ 1.05x); only 0 of" in lines
+
+
+def test_torch_schedules_place_stages_as_torch_and_gpipe_do() -> None:
+    """Each torch.distributed.pipelining schedule gets the stages its placement puts on a rank, and
+    the gpipe schedule paired with it places them alike."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    from gpipe.bench.common import GPIPE_SCHEDULES, TORCH_SCHEDULES
+    from gpipe.bench.peers import PAIRS
+    from gpipe.bench.worker import torch_stage_indices
+    from gpipe.schedule import make_schedule
+
+    ours = {name: v for name, v, _ in GPIPE_SCHEDULES}
+    for name, _, virtual, style in TORCH_SCHEDULES:
+        rank_of = generate_stage_to_rank_mapping(2, 2 * virtual, style)
+        for rank in range(2):
+            assert sorted(torch_stage_indices(rank, 2, virtual, style)) == [s for s, r in rank_of.items() if r == rank]
+        if name in PAIRS:
+            assert ours[name] == virtual
+            assert make_schedule(name, 2, 8, virtual).placement == tuple(rank_of[s] for s in range(2 * virtual))
+
+
+def test_peers_report_pairs_failures_and_auto() -> None:
+    """The peers section from made-up numbers: same-schedule ratios, a torch schedule that did not
+    run (and its reason), auto's plan, best against best and auto against torch's best."""
+    from gpipe.bench.peers import render
+
+    times = {"torch gpipe": [1.0, 1.0], "torch zb-v": [0.8, 0.8], "gpipe gpipe (never)": [0.9, 1.1],
+             "gpipe zb-v (never)": [0.6, 0.8], "gpipe auto (never)": [0.72, 0.8]}  # fmt: skip
+    found = {"times": times, "not_run": {"torch dualpipev": "rank 1: RuntimeError: a | b"},
+             "auto": {"chosen": "zb-h2", "bubble": 0.0312, "explain": ""}}  # fmt: skip
+    sizes = {"blocks": 8, "hidden": 64, "ffn": 128, "batch": 16, "chunks": 8}
+    text = render(sizes, 2, found, "torchgpipe is not installed")
+    assert "| torch zb-v (ScheduleZBVZeroBubble) | 0.800 [0.800-0.800] |  |" in text
+    assert "| gpipe zb-v (never), v=2 | 0.700 [0.600-0.800] | 0.88 [0.75-1.00] |" in text
+    assert "| gpipe gpipe (never) | 1.000 [0.900-1.100] | 1.00 [0.90-1.10] |" in text
+    assert "| torch dualpipev (ScheduleDualPipeV) | not run: rank 1: RuntimeError: a / b | |" in text
+    assert "`'auto'` chose zb-h2 (simulated bubble 0.031" in text
+    assert "Best against best (equal work): gpipe zb-v (never) / torch zb-v = 0.88 [0.75-1.00]." in text
+    assert "gpipe auto (never) / torch zb-v = 0.95 [0.90-1.00] (target ≤ 0.95)." in text
+    assert "Not run: torchgpipe is not installed." in text

@@ -16,6 +16,9 @@ from torch import Tensor, nn
 from gpipe.models import amoebanet_d, transformer
 
 __all__ = [
+    "AUTO_WARMUP",
+    "GPIPE_SCHEDULES",
+    "TORCH_SCHEDULES",
     "Bench",
     "Section",
     "Workload",
@@ -30,6 +33,32 @@ __all__ = [
     "token_loss",
     "workloads",
 ]
+
+
+# torch.distributed.pipelining's schedules: (our name for the same schedule, its class, stages per rank,
+# placement: "loop" puts stage s on rank s mod K, "v" stages r and 2K-1-r on rank r)
+TORCH_SCHEDULES: tuple[tuple[str, str, int, str], ...] = (
+    ("gpipe", "ScheduleGPipe", 1, "loop"),
+    ("1f1b", "Schedule1F1B", 1, "loop"),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "loop"),
+    ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2, "loop"),
+    ("zb-v", "ScheduleZBVZeroBubble", 2, "v"),
+    ("dualpipev", "ScheduleDualPipeV", 2, "v"),
+)
+
+# gpipe's: (schedule, stages per worker, re-materialization modes); 'never' is torch's work
+GPIPE_SCHEDULES: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("gpipe", 1, ("never", "except_last")),
+    ("1f1b", 1, ("never", "except_last")),
+    ("interleaved-1f1b", 2, ("never",)),
+    ("zb-h1", 1, ("never",)),
+    ("zb-h2", 1, ("never",)),
+    ("zb-v", 2, ("never",)),
+    ("dualpipev", 2, ("never",)),
+    ("auto", 1, ("never",)),
+)
+
+AUTO_WARMUP = 3  # steps of 'auto' before timing: two measure the costs, the third runs the plan made from them
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Peers side by side, in one run, on the same model: gpipe against torch.distributed.pipelining
-(2 processes over gloo, one thread each; its ScheduleGPipe and Schedule1F1B) and against torchgpipe
-(one process, 2 'cpu' devices; both libraries with their defaults).
+(2 processes over gloo, one thread each; its ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV against gpipe's fixed
+schedules and ``schedule='auto'``) and against torchgpipe (one process, 2 'cpu' devices; both
+libraries with their defaults).
 
 The model: blocks of Linear(hidden, ffn)-GELU-Linear(ffn, hidden), each block one layer, split in
-two halves; MSE loss. Variants take turns within every repetition so that noise hits them alike;
-ratios are per repetition, reported as median [min-max] (< 1: gpipe faster).
+two halves (four quarters for the schedules with two stages per worker); MSE loss. Variants take
+turns within every repetition so that noise hits them alike; ratios are per repetition, reported as
+median [min-max] (< 1: gpipe faster).
 """
 
 from __future__ import annotations
@@ -18,9 +21,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from gpipe.bench.common import Bench, Section, launch, mlp, mlp_batch, mlp_sizes, spread, take_turns
+from gpipe.bench.common import (
+    AUTO_WARMUP,
+    GPIPE_SCHEDULES,
+    TORCH_SCHEDULES,
+    Bench,
+    Section,
+    launch,
+    mlp,
+    mlp_batch,
+    mlp_sizes,
+    spread,
+    take_turns,
+)
 
-__all__ = ["run"]
+__all__ = ["render", "run"]
+
+PAIRS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "dualpipev")
+"""gpipe's schedules with a torch.distributed.pipelining schedule of the same name (the same order)."""
 
 
 def vs_torchgpipe(bench: Bench) -> dict[str, list[float]] | str:
@@ -49,36 +67,77 @@ def vs_torchgpipe(bench: Bench) -> dict[str, list[float]] | str:
     return take_turns({name: functools.partial(step, model) for name, model in models.items()}, bench.repeats * 2)
 
 
+# the class behind each torch variant, and gpipe's variants' stages per worker, for the report
+TORCH_CLASSES = {f"torch {name}": cls for name, cls, _, _ in TORCH_SCHEDULES}
+VIRTUAL = {f"gpipe {name} ({ck})": v for name, v, cks in GPIPE_SCHEDULES for ck in cks}
+
+
 def run(bench: Bench, out: Path) -> Section:
     s = mlp_sizes(bench)
-    torch_times: dict[str, list[float]] = launch(2, {"task": "vs_torch", "repeats": bench.repeats * 2, **s})
+    # 16 variants: the full sizes take several minutes, well past launch's default bound on a slow machine
+    found: dict[str, Any] = launch(2, {"task": "vs_torch", "repeats": bench.repeats * 2, **s}, timeout=2400.0)
     tg = vs_torchgpipe(bench)
+    data = {"vs_torch": found["times"], "vs_torch_not_run": found["not_run"], "auto_plan": found["auto"],
+            "vs_torchgpipe": tg}  # fmt: skip
+    return Section("Peers", render(s, bench.repeats * 2, found, tg), [], data)
+
+
+def render(s: dict[str, int], repeats: int, found: dict[str, Any], tg: dict[str, list[float]] | str) -> str:
+    """The section's markdown: ``s`` the sizes, ``found`` what the ``vs_torch`` worker reported (times
+    of every variant, why some did not run, the plan of 'auto'), ``tg`` the torchgpipe comparison."""
+    torch_times: dict[str, list[float]] = found["times"]
+    not_run: dict[str, str] = found["not_run"]
+    auto_plan: dict[str, Any] | None = found["auto"]
 
     def ratio(times: dict[str, list[float]], a: str, b: str) -> str:
         return spread([x / y for x, y in zip(times[a], times[b])])
 
+    def label(name: str) -> str:
+        if name in TORCH_CLASSES:
+            return f"{name} ({TORCH_CLASSES[name]})"
+        return f"{name}, v={VIRTUAL[name]}" if VIRTUAL.get(name, 1) > 1 else name  # unknown names as they are
+
+    def median(name: str) -> float:
+        return statistics.median(torch_times[name])
+
     lines = [
         f"Model: {s['blocks']} blocks of Linear({s['hidden']}, {s['ffn']})-GELU-Linear, batch {s['batch']}, "
-        f"M={s['chunks']}, two stages. Step time median [min-max] over {bench.repeats * 2} repetitions; "
-        "ratio = gpipe / peer per repetition (< 1: gpipe faster).",
+        f"M={s['chunks']}, two workers (v=2: four stages of {s['blocks'] // 4} blocks, two per worker). Step "
+        f"time median [min-max] over {repeats} repetitions; ratio = gpipe / peer per repetition "
+        "(< 1: gpipe faster).",
         "",
         "**vs torch.distributed.pipelining** (2 processes, gloo, 1 thread each; torch keeps every "
-        "activation, so gpipe's `checkpoint='never'` is the same work and `'except_last'` its default):",
+        "activation, so gpipe's `checkpoint='never'` is the same work and `'except_last'` its default; "
+        f"gpipe's `'auto'` is timed after {AUTO_WARMUP} steps, once planned from measured costs):",
         "",
         "| variant | step (s) | gpipe / torch, same schedule |",
         "|---|---|---|",
     ]
     for name, ts in torch_times.items():
         same = ""
-        for sched in ("gpipe", "1f1b"):
-            if name.startswith(f"gpipe {sched} "):
+        for sched in PAIRS:
+            if name.startswith(f"gpipe {sched} (") and f"torch {sched}" in torch_times:
                 same = ratio(torch_times, name, f"torch {sched}")
-        lines.append(f"| {name} | {spread(ts, '.3f')} | {same} |")
-    torch_best = min(("torch gpipe", "torch 1f1b"), key=lambda n: statistics.median(torch_times[n]))
+        lines.append(f"| {label(name)} | {spread(ts, '.3f')} | {same} |")
+    for name, why in not_run.items():
+        lines.append(f"| {label(name)} | not run: {why.replace('|', '/')} | |")
+    if auto_plan is not None:
+        lines += ["", f"`'auto'` chose {auto_plan['chosen']} (simulated bubble {auto_plan['bubble']:.3f} under the "
+                  "costs it measured)."]  # fmt: skip
+    torch_ran = [n for n in torch_times if n.startswith("torch ")]
     ours = [n for n in torch_times if n.startswith("gpipe") and n.endswith("(never)")]
-    ours_best = min(ours, key=lambda n: statistics.median(torch_times[n]))
-    lines += ["", f"Best against best (equal work): {ours_best} / {torch_best} = "
-              f"{ratio(torch_times, ours_best, torch_best)}.", ""]  # fmt: skip
+    lines.append("")
+    if torch_ran and ours:
+        torch_best = min(torch_ran, key=median)
+        ours_best = min(ours, key=median)
+        lines.append(f"Best against best (equal work): {ours_best} / {torch_best} = "
+                     f"{ratio(torch_times, ours_best, torch_best)}.")  # fmt: skip
+        if "gpipe auto (never)" in torch_times:
+            lines.append(f"auto against torch's best: gpipe auto (never) / {torch_best} = "
+                         f"{ratio(torch_times, 'gpipe auto (never)', torch_best)} (target ≤ 0.95).")  # fmt: skip
+    else:
+        lines.append("Best against best: not measured (no torch schedule or no gpipe schedule ran).")
+    lines.append("")
     lines += ["**vs torchgpipe** (one process, devices ['cpu', 'cpu'], fill-drain, both with their "
               "default re-materialization 'except_last'):", ""]  # fmt: skip
     if isinstance(tg, str):
@@ -91,4 +150,4 @@ def run(bench: Bench, out: Path) -> Section:
             "",
             f"gpipe / torchgpipe = {ratio(tg, 'gpipe', 'torchgpipe')}.",
         ]
-    return Section("Peers", "\n".join(lines), [], {"vs_torch": torch_times, "vs_torchgpipe": tg})
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -15,8 +16,18 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe.balance import solve
-from gpipe.bench.common import Bench, mlp, mlp_batch, take_turns, workloads
+from gpipe.bench.common import (
+    AUTO_WARMUP,
+    GPIPE_SCHEDULES,
+    TORCH_SCHEDULES,
+    Bench,
+    mlp,
+    mlp_batch,
+    take_turns,
+    workloads,
+)
 from gpipe.pipeline import Pipeline
+from gpipe.planner import AutoPlanner
 
 
 def _barrier() -> None:
@@ -44,39 +55,99 @@ def throughput(spec: dict[str, Any]) -> dict[str, list[float]]:
     return take_turns({str(m): step(m) for m in spec["microbatches"]}, spec["repeats"], _barrier)
 
 
-def vs_torch(spec: dict[str, Any]) -> dict[str, list[float]]:
-    """gpipe's Pipeline and torch.distributed.pipelining's schedules on the same model, 2 ranks."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def torch_stage_indices(rank: int, world: int, virtual: int, style: str) -> list[int]:
+    """The stages rank ``rank`` holds, in torch.distributed.pipelining's placement ``style``."""
+    if style == "v":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + i * world for i in range(virtual)]
+
+
+def _agree(reason: str | None) -> str | None:
+    """Every rank's reason for a failure, joined (None when every rank succeeded)."""
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    found = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+    return "; ".join(found) if found else None
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+
+
+def vs_torch(spec: dict[str, Any]) -> dict[str, Any]:
+    """gpipe's Pipeline and torch.distributed.pipelining's schedules on the same model, 2 ranks:
+    ``{"times": {variant: step times}, "not_run": {variant: why}, "auto": the plan of 'auto'}``.
+
+    Every torch schedule gets its own copy of the model (split into as many stages as it places), the
+    same micro-batches, the same loss and zeroed gradients after every step; it runs in a process group
+    of its own with a short timeout, so that one failing on gloo/CPU (on one rank, with the other
+    waiting for it) is reported, not fatal."""
+    from torch.distributed import pipelining
 
     world, rank = dist.get_world_size(), dist.get_rank()
     base = mlp(spec["blocks"], spec["hidden"], spec["ffn"])
     x, y = mlp_batch(spec["batch"], spec["hidden"])
-    per = len(base) // world
+    timeout = timedelta(seconds=float(spec.get("torch_timeout", 60.0)))
     steps: dict[str, Callable[[], object]] = {}
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        part = copy.deepcopy(base[rank * per : (rank + 1) * per])
-        stage = PipelineStage(part, rank, world, torch.device("cpu"))
-        schedule = cls(stage, spec["chunks"], loss_fn=F.mse_loss)
+    not_run: dict[str, str] = {}
+    for name, cls_name, virtual, style in TORCH_SCHEDULES:
+        key = f"torch {name}"
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        reason: str | None = None
+        try:
+            per = len(base) // (world * virtual)
+            indices = torch_stage_indices(rank, world, virtual, style)
+            parts = [copy.deepcopy(base[i * per : (i + 1) * per]) for i in indices]
+            stages = [
+                pipelining.PipelineStage(part, i, world * virtual, torch.device("cpu"), group=group)
+                for part, i in zip(parts, indices)
+            ]
+            cls = getattr(pipelining, cls_name)
+            schedule = cls(stages[0] if virtual == 1 else stages, spec["chunks"], loss_fn=F.mse_loss)
+            first, last = 0 in indices, world * virtual - 1 in indices
 
-        def torch_step(schedule: Any = schedule, part: nn.Module = part) -> None:
-            if rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
-            part.zero_grad()
+            def torch_step(schedule: Any = schedule, parts: list[nn.Module] = parts, first: bool = first,
+                           last: bool = last) -> None:  # fmt: skip
+                schedule.step(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))
+                for part in parts:
+                    part.zero_grad()
 
-        steps[f"torch {name}"] = torch_step
-    for name in ("gpipe", "1f1b"):
-        for checkpoint in ("never", "except_last"):
-            pipe = Pipeline(copy.deepcopy(base), [per] * world, chunks=spec["chunks"], schedule=name,
-                            loss_fn=F.mse_loss, checkpoint=checkpoint)  # fmt: skip
+            torch_step()  # a failure shows here (take_turns warms up again)
+        except Exception as exc:  # any failure of a peer's schedule is reported, not fatal
+            reason = _reason(exc)
+        reason = _agree(reason)
+        if reason is None:
+            steps[key] = torch_step
+        else:
+            not_run[key] = reason
+    auto: Pipeline | None = None
+    for name, virtual, checkpoints in GPIPE_SCHEDULES:
+        for checkpoint in checkpoints:
+            key = f"gpipe {name} ({checkpoint})"
+            try:
+                pipe = Pipeline(copy.deepcopy(base), [len(base) // (world * virtual)] * (world * virtual),
+                                chunks=spec["chunks"], schedule=name, loss_fn=F.mse_loss, checkpoint=checkpoint,
+                                virtual=virtual)  # fmt: skip
+            except ValueError as exc:  # a schedule that cannot be made for these sizes, on every rank alike
+                not_run[key] = _reason(exc)
+                continue
 
             def gpipe_step(pipe: Pipeline = pipe) -> None:
                 pipe.step(x, y)
                 pipe.zero_grad()
 
-            steps[f"gpipe {name} ({checkpoint})"] = gpipe_step
-    return take_turns(steps, spec["repeats"], _barrier)
+            if name == "auto":
+                auto = pipe
+                for _ in range(AUTO_WARMUP - 1):  # take_turns warms up once more
+                    gpipe_step()
+            steps[key] = gpipe_step
+    times = take_turns(steps, spec["repeats"], _barrier)
+    plan = None
+    if auto is not None and isinstance(auto.engine.planner, AutoPlanner):
+        made = auto.engine.planner.last_plan
+        if made is not None:
+            plan = {"chosen": made.chosen, "bubble": made.bubble, "explain": made.explain()}
+    return {"times": times, "not_run": not_run, "auto": plan}
 
 
 TASKS: dict[str, Callable[[dict[str, Any]], Any]] = {"throughput": throughput, "vs_torch": vs_torch}
