@@ -29,7 +29,7 @@ from gpipe.partition import Layers, auto_balance, check_balance, partition, reso
 from gpipe.placement import Placement
 from gpipe.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
 from gpipe.schedule.generate import make_schedule
-from gpipe.schedule.ir import round_robin
+from gpipe.schedule.ir import round_robin, v_shape
 from gpipe.stage import LossFn, Stage
 from gpipe.tied import Tie, layer_at, local_ties, names, with_shared
 
@@ -59,9 +59,9 @@ class Engine:
 
 def placement_of(schedule: str | AutoSchedule, workers: int, chunks: int, virtual: int) -> tuple[int, ...]:
     """Which worker holds each stage under ``schedule`` (the generator's own placement; 'auto'
-    plans over one stage per worker, or ``virtual`` stages round-robin)."""
+    plans over one stage per worker, two in a V (as ZB-V), or more round-robin)."""
     if isinstance(schedule, AutoSchedule) or schedule == "auto":
-        return round_robin(workers * virtual, workers)
+        return v_shape(workers) if virtual == 2 else round_robin(workers * virtual, workers)
     return make_schedule(schedule, workers, chunks, virtual).placement
 
 

@@ -15,6 +15,7 @@ measures the split backward, which the equal-cost schedule may not have run) and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -27,12 +28,12 @@ from gpipe.executor import TraceEvent
 from gpipe.memory import ActivationMeter
 from gpipe.schedule.auto import Plan, StageCosts, plan
 from gpipe.schedule.generate import make_schedule
-from gpipe.schedule.ir import Action, ActionKind, Schedule
+from gpipe.schedule.ir import Action, ActionKind, Schedule, validate
 
 Span = tuple[int, Action, int, int]
 """An executed action: (worker, action, start, end), in nanoseconds of ``time.perf_counter_ns``."""
 
-__all__ = ["AutoPlanner", "AutoSchedule", "FixedPlanner", "Planner", "parse_memory_cap"]
+__all__ = ["AutoPlanner", "AutoSchedule", "FixedPlanner", "Planner", "mixed_backwards", "parse_memory_cap"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -150,15 +151,17 @@ class AutoPlanner(Planner):
         if found is None:
             costs = self.options.costs or self.costs.get(microbatches)
             cap: float | tuple[float, ...] | None = None
+            probe = costs is None
             if costs is None:  # not measured yet: plan for equal costs
                 costs = StageCosts.uniform(self.num_stages)
                 if self.cap is not None:  # a cap in bytes is not known in micro-batches yet: the least memory
                     cap = self.cap[1] if self.cap[0] == "microbatches" else self._minimum()
             elif self.cap is not None:
                 cap = self.cap[1]
-            found = self.plans[microbatches] = plan(
-                self.workers, microbatches, costs, memory_cap=cap, placement=self.placement
-            )
+            found = plan(self.workers, microbatches, costs, memory_cap=cap, placement=self.placement)
+            if probe:  # measure the fused and the split backward alike
+                found = dataclasses.replace(found, schedule=mixed_backwards(found.schedule))
+            self.plans[microbatches] = found
         return found.schedule
 
     def measures_memory(self, microbatches: int) -> bool:
@@ -178,8 +181,9 @@ class AutoPlanner(Planner):
             return
         spans = [(e.worker, e.action, e.start_ns, e.end_ns) for e in events]
         found = self.gather((self.replica, spans, dict(meter.stage_peak) if meter is not None else None))
-        costs = self._measured(found)
         old = self.costs.get(microbatches)
+        kinds = {(a.stage, a.kind) for _, spans, _ in found for _, a, _, _ in spans}
+        costs = self._merged(self._measured(found), kinds, old)
         if old is None or _drift(old, costs) > self.options.drift:
             self.costs[microbatches] = costs
             self.plans.pop(microbatches, None)
@@ -204,6 +208,22 @@ class AutoPlanner(Planner):
             memory = [float(peaks.get(s, max(peaks.values()))) for s in range(self.num_stages)]
         transfer = statistics.median(waits) if waits else 0.0
         return StageCosts.from_trace(mean, self.num_stages, memory=memory, transfer=transfer)
+
+    def _merged(self, new: StageCosts, trace: set[tuple[int, ActionKind]], old: StageCosts | None) -> StageCosts:
+        """``new``, with what its trace did not measure (a fused B where every backward was split,
+        I and W where none was) taken from ``old``'s measurement."""
+        if old is None:
+            return new
+        fused, inputs, weights = list(new.fused), list(new.input), list(new.weight)
+        estimated = list(new.split_estimated or ())
+        for s in range(self.num_stages):
+            if (s, ActionKind.BACKWARD) not in trace:
+                fused[s] = old.fused[s]
+            if estimated[s] and old.split_estimated is not None and not old.split_estimated[s]:
+                inputs[s], weights[s], estimated[s] = old.input[s], old.weight[s], False
+        return dataclasses.replace(
+            new, input=tuple(inputs), weight=tuple(weights), backward=tuple(fused), split_estimated=tuple(estimated)
+        )
 
 
 def _handover_waits(spans: Sequence[Span], placement: Sequence[int]) -> list[float]:
@@ -238,9 +258,34 @@ def _needs(action: Action, num_stages: int, present: dict[Action, Any]) -> tuple
     return (split if split in present else Action(ActionKind.BACKWARD, m, s + 1),)
 
 
+def mixed_backwards(schedule: Schedule) -> Schedule:
+    """``schedule`` with the backward of even micro-batches fused (B) and of odd ones split (I, then
+    W at once, or where the schedule had it): a step that measures both kinds of backward, holding
+    no more memory than ``schedule`` (a fused backward frees a micro-batch no later than its W)."""
+    odd = {(a.microbatch, a.stage) for a in schedule if a.microbatch % 2}
+    out = []
+    for acts in schedule.actions:
+        seq: list[Action] = []
+        has_w = {(a.microbatch, a.stage) for a in acts if a.kind is ActionKind.BACKWARD_WEIGHT}
+        for a in acts:
+            key = (a.microbatch, a.stage)
+            if a.kind is ActionKind.BACKWARD and key in odd:
+                seq += [Action(ActionKind.BACKWARD_INPUT, *key), Action(ActionKind.BACKWARD_WEIGHT, *key)]
+            elif a.kind is ActionKind.BACKWARD_INPUT and key not in odd:
+                seq.append(Action(ActionKind.BACKWARD, *key))
+            elif a.kind is ActionKind.BACKWARD_INPUT and key not in has_w:
+                seq += [a, Action(ActionKind.BACKWARD_WEIGHT, *key)]
+            elif not (a.kind is ActionKind.BACKWARD_WEIGHT and key not in odd):
+                seq.append(a)
+        out.append(tuple(seq))
+    mixed = Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, tuple(out), schedule.placement)
+    validate(mixed)
+    return mixed
+
+
 def _drift(old: StageCosts, new: StageCosts) -> float:
-    """The largest relative change of a stage's F, I or W."""
+    """The largest relative change of a stage's F, I, W or B."""
     worst = 0.0
-    for a, b in zip(old.forward + old.input + old.weight, new.forward + new.input + new.weight):
+    for a, b in zip(old.forward + old.input + old.weight + old.fused, new.forward + new.input + new.weight + new.fused):
         worst = max(worst, abs(b - a) / max(a, 1e-12))
     return worst
