@@ -12,8 +12,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from gpipe import Pipeline, load_checkpoint, save_checkpoint
+from gpipe import AutoSchedule, Pipeline, load_checkpoint, save_checkpoint
 from gpipe.distributed import init_from_env
+from gpipe.schedule import StageCosts
 from gpipe.skip import pop, skippable, stash
 from tests.helpers import even
 
@@ -31,9 +32,14 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
 
 
-def build(schedule: str, workers: int, chunks: int, dropout: float = 0.0, **kwargs: Any) -> Pipeline:
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
+"""Stages per worker a schedule runs with here (1 for the others)."""
+
+
+def build(schedule: Any, workers: int, chunks: int, dropout: float = 0.0, **kwargs: Any) -> Pipeline:
+    """``schedule``: a name, or a :class:`gpipe.AutoSchedule`."""
     model = mlp(dropout)
-    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    virtual = VIRTUAL.get(schedule, 1) if isinstance(schedule, str) else 1
     return Pipeline(
         model,
         even(len(model), workers * virtual),
@@ -58,6 +64,40 @@ def step(schedule: str, chunks: int, dropout: float = 0.0, steps: int = 1) -> di
     losses = [pipe.step(x, y) for _ in range(steps)]
     evaluation = pipe(x)
     return {"losses": losses, "grads": grads_of(pipe), "eval": evaluation}
+
+
+def auto_steps(chunks: int, steps: int) -> dict[str, Any]:
+    """``schedule='auto'``: the schedule of each of ``steps`` steps (planned from the costs gathered
+    over the ranks) and of the next; then one step of a plan from given costs (F=1, I=1, W=2): its
+    schedule, loss and this rank's gradients."""
+    world = int(os.environ["WORLD_SIZE"])
+    x, y = data()
+    pipe = build("auto", world, chunks)
+    ran, losses = [], []
+    for _ in range(steps):
+        pipe.zero_grad()
+        losses.append(pipe.step(x, y))
+        assert pipe.last_trace is not None
+        ran.append(actions_of(pipe.last_trace.schedule))
+    auto = {
+        "ran": ran,
+        "next": actions_of(pipe.schedule_for(chunks)),
+        "replans": pipe.engine.planner.replans,  # type: ignore[attr-defined]
+        "losses": losses,
+        "grads": grads_of(pipe),
+    }
+    torch.manual_seed(5)
+    fixed = build(AutoSchedule(costs=StageCosts.uniform(world, F=1, I=1, W=2)), world, chunks)
+    loss = fixed.step(x, y)
+    return {
+        "auto": auto,
+        "fixed": {"schedule": actions_of(fixed.schedule_for(chunks)), "loss": loss, "grads": grads_of(fixed)},
+    }
+
+
+def actions_of(schedule: Any) -> list[list[str]]:
+    """A schedule's actions per worker, as text (what torch.load reads back without pickling)."""
+    return [[str(a) for a in acts] for acts in schedule.actions]
 
 
 def raise_on(rank: int) -> None:

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import gpipe.schedule
+from gpipe import AutoSchedule
+from gpipe.schedule import StageCosts, make_schedule, plan
 from tests import dist_cases
 from tests.dist_harness import RanksFailedError, run_ranks, start, wait
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+NEW_SCHEDULES = ["zb-h2", "zb-v", "dualpipev"]  # (on 2 ranks only: each launch of processes costs seconds)
+CASES = [(s, w) for s in SCHEDULES for w in (2, 4)] + [(s, 2) for s in NEW_SCHEDULES]
 
 
-def single_process(schedule: str, world: int, chunks: int, dropout: float = 0.0) -> dict[str, object]:
+def single_process(schedule: Any, world: int, chunks: int, dropout: float = 0.0) -> dict[str, object]:
     torch.manual_seed(5)
     pipe = dist_cases.build(schedule, world, chunks, dropout, devices=["cpu"] * world, cpu_threads=1)
     x, y = dist_cases.data()
@@ -30,8 +36,7 @@ def plain_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("schedule", "world"), CASES, ids=[f"{s}-{w}" for s, w in CASES])
 def test_every_schedule_across_processes(tmp_path: Path, schedule: str, world: int) -> None:
     ranks = run_ranks("step", world, tmp_path, schedule=schedule, chunks=4)
     reference = single_process(schedule, world, 4)
@@ -48,9 +53,39 @@ def test_every_schedule_across_processes(tmp_path: Path, schedule: str, world: i
         assert torch.equal(g, reference["grads"][name]), name  # type: ignore[index]
         torch.testing.assert_close(g, plain[next(iter(by_layer({name: g})))])
     torch.testing.assert_close(reference["loss"], plain_loss)
-    last = ranks[(world * (2 if schedule == "interleaved-1f1b" else 1) - 1) % world]
+    last = ranks[make_schedule(schedule, world, 4, dist_cases.VIRTUAL.get(schedule, 1)).placement[-1]]
     assert torch.equal(last["eval"], reference["eval"])
     assert all(out["eval"] is None for out in ranks if out is not last)
+
+
+def test_every_schedule_is_covered() -> None:
+    assert {s for s, _ in CASES} == set(gpipe.schedule.SCHEDULES)
+
+
+def test_auto_plans_alike_on_every_rank(tmp_path: Path) -> None:
+    """The ranks gather their measured costs and build the same schedule; from given costs the plan
+    is fixed, and the step bitwise one process's."""
+    ranks = run_ranks("auto_steps", 2, tmp_path, chunks=4, steps=3)
+    auto = [r["auto"] for r in ranks]
+    assert auto[0]["ran"] == auto[1]["ran"] and auto[0]["next"] == auto[1]["next"]
+    assert auto[0]["replans"] == auto[1]["replans"] >= 1
+    assert len(auto[0]["ran"]) == 3 and all(len(acts) == 2 for acts in auto[0]["ran"])
+    assert torch.equal(auto[0]["losses"][-1], auto[1]["losses"][-1])
+    _, plain = plain_grads()
+    merged = by_layer({n: g for a in auto for n, g in a["grads"].items()})
+    assert set(merged) == set(plain)
+    for name, g in merged.items():
+        torch.testing.assert_close(g, plain[name])
+    costs = StageCosts.uniform(2, F=1, I=1, W=2)
+    reference = single_process(AutoSchedule(costs=costs), 2, 4)
+    expected = dist_cases.actions_of(plan(2, 4, costs, placement=(0, 1)).schedule)
+    fixed = {n: g for r in ranks for n, g in r["fixed"]["grads"].items()}
+    assert set(fixed) == set(reference["grads"])  # type: ignore[arg-type]
+    for r in ranks:
+        assert r["fixed"]["schedule"] == expected
+        assert torch.equal(r["fixed"]["loss"], reference["loss"])
+    for name, g in fixed.items():
+        assert torch.equal(g, reference["grads"][name]), name  # type: ignore[index]
 
 
 def by_layer(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
