@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe import AutoSchedule, Pipeline, load_checkpoint, save_checkpoint
-from gpipe.planner import AutoPlanner
+from gpipe.planner import AutoPlanner, mixed_backwards
 from gpipe.saving import layer_state
 from gpipe.schedule import SCHEDULES, Schedule, StageCosts, peak_memory, plan, validate
 from gpipe.schedule.ir import Action, B, round_robin
@@ -265,10 +265,13 @@ def test_auto_is_exact_while_it_replans(schedule: str | AutoSchedule, m: int) ->
     planner = auto_planner(pipe)
     assert pipe.schedule == "auto" and planner.replans == 0
     ran = train(pipe, copy.deepcopy(model), m, 3)
-    # The first step ran the plan for equal costs; from then on, plans from the measured costs.
-    assert names(ran[0]) == names(plan(2, m, StageCosts.uniform(2), placement=(0, 1)).schedule)
+    # The first step ran the plan for equal costs, its backwards half fused and half split (so that
+    # both are measured); from then on, plans from the measured costs.
+    assert names(ran[0]) == names(mixed_backwards(plan(2, m, StageCosts.uniform(2), placement=(0, 1)).schedule))
+    assert {a.kind.value for a in ran[0]} == {"F", "B", "I", "W"}
     assert planner.replans >= 1 and m in planner.costs
-    assert planner.costs[m].split_estimated == (False, False)  # the first plan split its backwards: I, W measured
+    assert planner.costs[m].split_estimated == (False, False)  # I, W measured; B as well:
+    assert all(b != i + w for b, i, w in zip(planner.costs[m].fused, planner.costs[m].input, planner.costs[m].weight))
     assert all(s.name == "auto" and s.placement == (0, 1) for s in ran)
     chosen = pipe.schedule_for(m)
     assert planner.last_plan is not None and names(chosen) == names(planner.last_plan.schedule)
@@ -390,3 +393,38 @@ def test_unknown_schedule_lists_auto() -> None:
         make(mlp(), "zigzag", 2, 4)
     listed = str(info.value).split("choose one of", 1)[1]
     assert set(re.findall(r"[\w-]+", listed)) == {*SCHEDULES, "auto"}
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)])
+def test_mixed_backwards_measures_both_and_holds_no_more(name: str, virtual: int) -> None:
+    for k, m in [(1, 1), (2, 4), (3, 5), (4, 8)]:
+        if name == "zb-v" and m < 2 * k - 1:
+            continue
+        original = SCHEDULES[name](k, m, virtual)
+        mixed = mixed_backwards(original)  # validates
+        kinds = {(a.microbatch % 2, a.kind.value) for a in mixed}
+        assert kinds <= {(0, "F"), (0, "B"), (1, "F"), (1, "I"), (1, "W")}
+        assert (m == 1) or {(0, "B"), (1, "I"), (1, "W")} <= kinds
+        costs = StageCosts.uniform(original.num_stages)
+        assert all(a <= b for a, b in zip(peak_memory(mixed, costs), peak_memory(original, costs)))
+
+
+def test_the_meter_counts_a_micro_batch_as_its_slice_of_the_batch() -> None:
+    """Micro-batches are views of the caller's batch: each holds its slice, not the whole storage."""
+    model = mlp()
+    x, y = data()
+    peaks = []
+    for batch, m in [(16, 8), (2, 1)]:
+        pipe = make(model, "gpipe", 2, m, checkpoint="never", measure_memory=True)
+        meters = []
+        step = pipe.engine.executor.step
+
+        def keep(*args: Any, step: Any = step, meters: list[Any] = meters, **kwargs: Any) -> Any:
+            run, out = step(*args, **kwargs)
+            meters.append(run.meter)
+            return run, out
+
+        pipe.engine.executor.step = keep  # type: ignore[method-assign]
+        pipe.step(x[:batch], y[:batch])
+        peaks.append(dict(meters[0].stage_peak))
+    assert peaks[0] == peaks[1]

@@ -43,9 +43,11 @@ class ActivationMeter:
             if ptr in self._params or ptr in seen:
                 return
             seen.add(ptr)
-            self._held[key] = self._held.get(key, 0) + storage.nbytes()
+            # A micro-batch sliced from the caller's batch holds only its slice of the storage.
+            nbytes = min(storage.nbytes(), t.numel() * t.element_size())
+            self._held[key] = self._held.get(key, 0) + nbytes
             w = self._worker_of[stage]
-            self.live[w] += storage.nbytes()
+            self.live[w] += nbytes
             self.peak[w] = max(self.peak[w], self.live[w])
 
     def hold(self, stage: int, microbatch: int, tensors: Iterable[Tensor]) -> None:

@@ -137,11 +137,8 @@ class AutoPlanner(Planner):
         self.plans: dict[int, Plan] = {}
         self.steps: dict[int, int] = {}
         self.replans = 0
-
-    @property
-    def last_plan(self) -> Plan | None:
-        """The plan of the latest number of micro-batches planned for."""
-        return next(reversed(self.plans.values()), None)
+        self.last_plan: Plan | None = None
+        """The plan of the latest step's schedule."""
 
     def _minimum(self) -> tuple[float, ...]:
         return tuple(float(self.placement.count(w)) for w in range(self.workers))
@@ -160,8 +157,10 @@ class AutoPlanner(Planner):
                 cap = self.cap[1]
             found = plan(self.workers, microbatches, costs, memory_cap=cap, placement=self.placement)
             if probe:  # measure the fused and the split backward alike
-                found = dataclasses.replace(found, schedule=mixed_backwards(found.schedule))
+                chosen = f"{found.chosen} for equal costs, backwards half fused, half split (measuring)"
+                found = dataclasses.replace(found, schedule=mixed_backwards(found.schedule), chosen=chosen)
             self.plans[microbatches] = found
+        self.last_plan = found
         return found.schedule
 
     def measures_memory(self, microbatches: int) -> bool:
@@ -184,7 +183,10 @@ class AutoPlanner(Planner):
         old = self.costs.get(microbatches)
         kinds = {(a.stage, a.kind) for _, spans, _ in found for _, a, _, _ in spans}
         costs = self._merged(self._measured(found), kinds, old)
-        if old is None or _drift(old, costs) > self.options.drift:
+        if old is not None and old.memory is not None and costs.memory is not None:
+            # the most bytes a micro-batch held: a split backward holds more than a fused one
+            costs = dataclasses.replace(costs, memory=tuple(map(max, old.activation, costs.activation)))
+        if old is None or _drift(old, costs) > self.options.drift or costs.activation != old.activation:
             self.costs[microbatches] = costs
             self.plans.pop(microbatches, None)
             self.replans += 1
