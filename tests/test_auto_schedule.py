@@ -413,11 +413,13 @@ def test_cli_fixed_schedule_with_transfer(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_jitter_from_a_trace_is_the_spread_of_actions_of_a_stage_and_kind() -> None:
-    trace = {F(0, 0): 0.9, F(1, 0): 1.1, B(0, 0): 2.0, B(1, 0): 2.0}
+    trace = {F(0, 0): 0.9, F(1, 0): 1.0, F(2, 0): 1.1, B(0, 0): 2.0, B(1, 0): 2.0, B(2, 0): 2.0}
     costs = StageCosts.from_trace(trace, 1)
-    # deviations from the means: F -0.1, +0.1 (of 1), B 0, 0: pooled sqrt((0.01 + 0.01 + 0 + 0) / 4)
-    assert costs.jitter == pytest.approx(math.sqrt(0.005))
+    # F: median 1, median absolute deviation 0.1: CV 0.14826, weight 3 (its time); B: CV 0, weight 6
+    assert costs.jitter == pytest.approx(0.14826 / math.sqrt(3))
     assert StageCosts.from_trace({F(0, 0): 1.0, B(0, 0): 2.0}, 1).jitter == 0
+    slow_first = {**trace, F(0, 0): 9.0}  # a first call 9x slower moves the median by nothing
+    assert StageCosts.from_trace(slow_first, 1).forward == (1.1,)
 
 
 def test_jitter_prefers_the_schedule_with_slack() -> None:

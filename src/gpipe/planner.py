@@ -4,13 +4,15 @@ A fixed schedule is generated once per number of micro-batches M. ``schedule='au
 :class:`AutoSchedule` with options) is the zero-bubble paper's answer to uneven costs, made at run
 time: the first step at a given M runs a schedule planned for equal costs within the memory cap, its
 actions timed; from that trace — every rank's under torch.distributed, gathered so that all ranks
-plan from the same numbers and build the same schedule — come each stage's mean F, I, W and B, the
+plan from the same numbers and build the same schedule — come each stage's median F, I, W and B, the
 hand-over time (how long an action waited past the end of the action on another worker it needed,
-when nothing else held it up) and, for a cap in bytes, each stage's activation bytes per micro-batch
+when nothing else held it up), how much action times vary (``jitter``) and, for a cap in bytes, each stage's activation bytes per micro-batch
 (measured with the activation meter). :func:`gpipe.schedule.auto.plan` then builds the fastest schedule
-that fits the cap. Costs are measured again after the second step (the first plan's own trace
-measures the split backward, which the equal-cost schedule may not have run) and every
-``replan_every`` steps after; a new plan is made when some stage's cost moved by more than ``drift``.
+that fits the cap. Costs are measured again after the second step (without the first step's one-time
+costs) and every ``replan_every`` steps after; a new plan is made when some stage's cost moved by more
+than ``drift``. A measuring step runs its schedule with the backward of even micro-batches fused (B)
+and of odd ones split (I, W) — :func:`mixed_backwards`, no more memory — so that both kinds of
+backward stay measured, whichever the plan prefers.
 """
 
 from __future__ import annotations
@@ -161,6 +163,10 @@ class AutoPlanner(Planner):
                 found = dataclasses.replace(found, schedule=mixed_backwards(found.schedule), chosen=chosen)
             self.plans[microbatches] = found
         self.last_plan = found
+        step = self.steps.get(microbatches, 0) + 1
+        if step > 1 and self.options.costs is None and self._measuring(step):
+            # A measuring step measures the fused and the split backward alike, whatever the plan runs.
+            return mixed_backwards(found.schedule)
         return found.schedule
 
     def measures_memory(self, microbatches: int) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -183,7 +184,7 @@ class StageCosts:
         memory: Sequence[float] | None = None,
         transfer: float = 0.0,
     ) -> StageCosts:
-        """Average measured durations (``StepTrace.costs()``: action → seconds) per stage and kind.
+        """The median of measured durations (``StepTrace.costs()``: action → seconds) per stage and kind.
 
         Every stage needs its F, and its I and W or its B. Where I and W were both measured they are
         used (and B, if it was measured too, is kept as the fused backward's cost; else B = I + W).
@@ -204,11 +205,10 @@ class StageCosts:
                 raise ValueError(f"the trace has {action} but there are {num_stages} stages")
             value = _check_value(f"the cost of {action}", seconds)
             sums.setdefault((action.stage, action.kind.value), []).append(value)
-        mean = {key: sum(v) / len(v) for key, v in sums.items()}
+        # The median: robust to the slow first calls of a step (a stage learning its layers, caches).
+        mean = {key: statistics.median(v) for key, v in sums.items()}
         fwd, inp, wgt, bwd, estimated = [], [], [], [], []
-        # The pooled coefficient of variation of the actions of a stage and kind (over micro-batches).
-        deviations = [(x / mean[key] - 1) ** 2 for key, v in sums.items() if mean[key] > 0 and len(v) > 1 for x in v]
-        jitter = math.sqrt(sum(deviations) / len(deviations)) if deviations else 0.0
+        jitter = _jitter(sums, mean)
         for s in range(num_stages):
             if (s, "F") not in mean:
                 raise ValueError(f"the trace has no forward (F) of stage {s}: give a trace of a whole step")
@@ -363,6 +363,21 @@ class Plan:
         )
 
 
+def _jitter(sums: Mapping[tuple[int, str], Sequence[float]], median: Mapping[tuple[int, str], float]) -> float:
+    """How much action times vary: per stage and kind a robust coefficient of variation (1.4826 x
+    the median absolute deviation over the median: a slow first call does not count), pooled as a
+    root mean square weighted by the group's time (a long, jittery W matters more than a short F)."""
+    weighted, total = 0.0, 0.0
+    for key, values in sums.items():
+        mid = median[key]
+        if mid <= 0 or len(values) < 3:
+            continue
+        cv = 1.4826 * statistics.median(abs(x - mid) for x in values) / mid
+        weighted += cv**2 * mid * len(values)
+        total += mid * len(values)
+    return math.sqrt(weighted / total) if total else 0.0
+
+
 def _time(c: Candidate) -> float:
     """What a candidate is ranked by: its expected step time under jitter, else its makespan."""
     return c.makespan if math.isnan(c.expected) else c.expected
@@ -373,16 +388,19 @@ def _rank(c: Candidate) -> tuple[float, float, int, float]:
 
 
 def _best(candidates: Sequence[Candidate]) -> Candidate:
-    """The fastest (expected step time under jitter, else makespan); among those as fast (to a
-    relative 1e-9, float noise), the one with the fewest actions, then the lowest peak memory, then
-    the first considered."""
+    """The fastest (expected step time under jitter, else makespan); among those as fast (within 1%
+    under jitter, the draws' own precision; else to float noise), the one with the fewest actions,
+    then the lowest peak memory, then the first considered."""
     drawn = [c for c in candidates if not math.isnan(c.expected)] or list(candidates)
     fastest = min(_time(c) for c in drawn)
-    tied = [c for c in drawn if _time(c) <= fastest * (1 + 1e-9) + 1e-12]
+    # Draws of jittered costs estimate a mean to about a percent: closer than that is a tie.
+    tolerance = _TIE_UNDER_JITTER if any(c.expected != c.makespan for c in drawn) else 1e-9
+    tied = [c for c in drawn if _time(c) <= fastest * (1 + tolerance) + 1e-12]
     return min(tied, key=lambda c: (c.num_actions, max(c.peak_memory)))  # min keeps the first of equals
 
 
 _DRAWS = 24
+_TIE_UNDER_JITTER = 0.01
 _DRAWN_WITHIN = 1.15  # candidates whose makespan is this close to the best are drawn for
 
 
