@@ -4,7 +4,8 @@ The model of the engine benchmark (8 blocks of Linear(1024, 4096)-GELU-Linear(40
 24 layers), batch 256 in M=8 micro-batches, K=2 workers with one intra-op thread each, MSE loss. Every
 schedule of ``gpipe.schedule.SCHEDULES`` runs — one stage per worker (balance [12, 12]), or two per
 worker for 'interleaved-1f1b' (round robin), 'zb-v' and 'dualpipev' (V placement) with virtual=2
-(balance [6, 6, 6, 6]) — and so does ``schedule='auto'`` (one stage per worker), warmed up for 3 steps
+(balance [6, 6, 6, 6]) — and so does ``schedule='auto'`` (one stage per worker, and two in a V with
+virtual=2), warmed up for 3 steps
 so that the schedule it is timed with is planned from measured costs. Every variant runs with
 re-materialization off ('never') and on ('always'); the variants take turns within each repetition
 so that machine noise hits them alike. The default run (16 variants, 5 repetitions) takes about
@@ -50,7 +51,7 @@ from gpipe.schedule import kind_cost, render_timeline, simulate
 from gpipe.schedule.generate import SCHEDULES as GENERATORS
 
 VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}  # two stages per worker; the rest one
-SCHEDULES = [(name, VIRTUAL.get(name, 1)) for name in GENERATORS] + [("auto", 1)]
+SCHEDULES = [(name, VIRTUAL.get(name, 1)) for name in GENERATORS] + [("auto", 1), ("auto", 2)]
 CHECKPOINTS = ["never", "always"]
 AUTO_WARMUP = 3  # steps before timing: the first two measure costs, the third runs the plan made from them
 
@@ -106,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
 
     base = model(args.blocks, args.hidden, args.ffn)
     x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
-    pipes: dict[tuple[str, str], Pipeline] = {}
-    results: dict[tuple[str, str], Result] = {}
+    pipes: dict[tuple[str, int, str], Pipeline] = {}
+    results: dict[tuple[str, int, str], Result] = {}
     not_run: dict[str, str] = {}
     for name, virtual in SCHEDULES:
         for ck in CHECKPOINTS:
             try:
-                pipes[(name, ck)] = Pipeline(
+                pipes[(name, virtual, ck)] = Pipeline(
                     copy.deepcopy(base),
                     balance(len(base), 2 * virtual),
                     chunks=args.chunks,
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:  # e.g. dualpipev with M < 2K
                 not_run[name] = str(exc)
                 continue
-            results[(name, ck)] = Result(name, ck, virtual=virtual)
+            results[(name, virtual, ck)] = Result(name, ck, virtual=virtual)
 
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; 2 'cpu' workers x 1 thread")
     print(f"# {' '.join(sys.argv)}")
@@ -135,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(AUTO_WARMUP):
                 pipe.step(x, y)
                 pipe.zero_grad()
-    for pipe in pipes.values():  # warm-up and peak memory, in a step of its own
+    for key, pipe in pipes.items():  # warm-up and peak memory, in a step of its own
         pipe.measure_memory = True
         pipe.step(x, y)
         pipe.measure_memory = False
         assert pipe.last_trace is not None and pipe.last_trace.peak_activation_bytes is not None
-        results[(pipe.schedule, pipe.checkpoint)].peak_mib = [b / 2**20 for b in pipe.last_trace.peak_activation_bytes]
+        results[key].peak_mib = [b / 2**20 for b in pipe.last_trace.peak_activation_bytes]
         pipe.zero_grad()
     keys = list(pipes)
     for r in range(args.repeats):
@@ -166,30 +167,31 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in means.items():
                 res.kind_ms.setdefault(k, []).append(v * 1e3)
             res.mean_cost_bubbles.append(simulate(trace.schedule, kind_cost(**means)).bubble)
-    for (name, ck), pipe in pipes.items():
+    for key, pipe in pipes.items():
         planner = pipe.engine.planner
         if isinstance(planner, AutoPlanner) and planner.last_plan is not None:
-            results[(name, ck)].chosen = planner.last_plan.chosen
-            results[(name, ck)].plan_bubble = planner.last_plan.bubble
+            results[key].chosen = planner.last_plan.chosen
+            results[key].plan_bubble = planner.last_plan.bubble
 
     if args.pictures:
         out = Path(args.pictures)
         out.mkdir(parents=True, exist_ok=True)
-        for (name, ck), pipe in pipes.items():
+        for (name, virtual, ck), pipe in pipes.items():
             assert pipe.last_trace is not None
-            render_timeline(pipe.last_trace.timeline(), out / f"{name}-{ck}.png", unit="seconds (measured)")
-            pipe.last_trace.save_chrome(out / f"{name}-{ck}.trace.json")
+            stem = f"{name}-v{virtual}-{ck}" if name == "auto" and virtual > 1 else f"{name}-{ck}"
+            render_timeline(pipe.last_trace.timeline(), out / f"{stem}.png", unit="seconds (measured)")
+            pipe.last_trace.save_chrome(out / f"{stem}.trace.json")
     for name, why in not_run.items():
         print(f"# {name}: not run: {why}")
-    fill = {ck: statistics.median(results[("gpipe", ck)].bubbles) for ck in CHECKPOINTS}
-    fill_idle = {ck: statistics.median(results[("gpipe", ck)].idle) for ck in CHECKPOINTS}
+    fill = {ck: statistics.median(results[("gpipe", 1, ck)].bubbles) for ck in CHECKPOINTS}
+    fill_idle = {ck: statistics.median(results[("gpipe", 1, ck)].idle) for ck in CHECKPOINTS}
     print(
         "\n| schedule | remat | step time (s) median [min-max] | bubble | bubble / fill-drain's "
         "| idle (ms) / fill-drain's | overhead vs simulator | peak activations per worker (MiB) "
         "| mean action (ms) | bubble simulated from mean costs |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (_, ck), res in results.items():
+    for (_, _, ck), res in results.items():
         t, b, idle = statistics.median(res.times), statistics.median(res.bubbles), statistics.median(res.idle)
         print(
             f"| {label(res)} | {ck} | {t:.3f} [{min(res.times):.3f}-{max(res.times):.3f}] | {b:.3f} "
@@ -200,21 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     summary = []
-    for ck in CHECKPOINTS:
-        auto = results.get(("auto", ck))
-        if auto is None or not auto.times:
-            continue
-        print(
-            f"- auto, remat {ck}: chose {auto.chosen}; the plan's simulated bubble {auto.plan_bubble:.3f} "
-            f"(measured {statistics.median(auto.bubbles):.3f})"
-        )
-        fixed = [r for (n, c), r in results.items() if c == ck and n != "auto"]
-        best = min(fixed, key=lambda r: statistics.median(r.times))
-        steps = [a / b for a, b in zip(auto.times, best.times)]
-        summary.append(
-            f"{ck}: auto bubble / fill-drain's {statistics.median(auto.bubbles) / fill[ck]:.2f} (target <= 0.33), "
-            f"auto step / best fixed ({label(best)}) {ratio_spread(steps)} (target <= 1.02)"
-        )
+    for virtual in (1, 2):
+        for ck in CHECKPOINTS:
+            auto = results.get(("auto", virtual, ck))
+            if auto is None or not auto.times:
+                continue
+            print(
+                f"- {label(auto)}, remat {ck}: chose {auto.chosen}; the plan's simulated bubble "
+                f"{auto.plan_bubble:.3f} (measured {statistics.median(auto.bubbles):.3f})"
+            )
+            fixed = [r for (n, _, c), r in results.items() if c == ck and n != "auto"]
+            best = min(fixed, key=lambda r: statistics.median(r.times))
+            steps = [a / b for a, b in zip(auto.times, best.times)]
+            summary.append(
+                f"{label(auto)} {ck}: bubble / fill-drain's {statistics.median(auto.bubbles) / fill[ck]:.2f} "
+                f"(target <= 0.33), step / best fixed ({label(best)}) {ratio_spread(steps)} (target <= 1.02)"
+            )
     if summary:
         print(f"\nSummary — {'; '.join(summary)}.")
     if args.json:

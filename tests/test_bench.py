@@ -171,14 +171,14 @@ def test_peers_report_pairs_failures_and_auto() -> None:
     times = {"torch gpipe": [1.0, 1.0], "torch zb-v": [0.8, 0.8], "gpipe gpipe (never)": [0.9, 1.1],
              "gpipe zb-v (never)": [0.6, 0.8], "gpipe auto (never)": [0.72, 0.8]}  # fmt: skip
     found = {"times": times, "not_run": {"torch dualpipev": "rank 1: RuntimeError: a | b"},
-             "auto": {"chosen": "zb-h2", "bubble": 0.0312, "explain": ""}}  # fmt: skip
+             "auto": {"gpipe auto (never)": {"chosen": "zb-h2", "bubble": 0.0312, "explain": ""}}}  # fmt: skip
     sizes = {"blocks": 8, "hidden": 64, "ffn": 128, "batch": 16, "chunks": 8}
     text = render(sizes, 2, found, "torchgpipe is not installed")
     assert "| torch zb-v (ScheduleZBVZeroBubble) | 0.800 [0.800-0.800] |  |" in text
     assert "| gpipe zb-v (never), v=2 | 0.700 [0.600-0.800] | 0.88 [0.75-1.00] |" in text
     assert "| gpipe gpipe (never) | 1.000 [0.900-1.100] | 1.00 [0.90-1.10] |" in text
     assert "| torch dualpipev (ScheduleDualPipeV) | not run: rank 1: RuntimeError: a / b | |" in text
-    assert "`'auto'` chose zb-h2 (simulated bubble 0.031" in text
+    assert "`gpipe auto (never)` chose zb-h2 (simulated bubble 0.031" in text
     assert "Best against best (equal work): gpipe zb-v (never) / torch zb-v = 0.88 [0.75-1.00]." in text
     assert "gpipe auto (never) / torch zb-v = 0.95 [0.90-1.00] (target ≤ 0.95)." in text
     assert "Not run: torchgpipe is not installed." in text

@@ -22,6 +22,7 @@ __all__ = [
     "Bench",
     "Section",
     "Workload",
+    "gpipe_key",
     "intra_op_threads",
     "launch",
     "mlp",
@@ -56,7 +57,15 @@ GPIPE_SCHEDULES: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("zb-v", 2, ("never",)),
     ("dualpipev", 2, ("never",)),
     ("auto", 1, ("never",)),
+    ("auto", 2, ("never",)),
 )
+
+
+def gpipe_key(name: str, virtual: int, checkpoint: str) -> str:
+    """A gpipe variant's name in the peers' results: 'gpipe 1f1b (never)', 'gpipe auto v=2 (never)'."""
+    shown = f"{name} v={virtual}" if name == "auto" and virtual > 1 else name
+    return f"gpipe {shown} ({checkpoint})"
+
 
 AUTO_WARMUP = 3  # steps of 'auto' before timing: two measure the costs, the third runs the plan made from them
 

@@ -27,6 +27,7 @@ from gpipe.bench.common import (
     TORCH_SCHEDULES,
     Bench,
     Section,
+    gpipe_key,
     launch,
     mlp,
     mlp_batch,
@@ -69,7 +70,7 @@ def vs_torchgpipe(bench: Bench) -> dict[str, list[float]] | str:
 
 # the class behind each torch variant, and gpipe's variants' stages per worker, for the report
 TORCH_CLASSES = {f"torch {name}": cls for name, cls, _, _ in TORCH_SCHEDULES}
-VIRTUAL = {f"gpipe {name} ({ck})": v for name, v, cks in GPIPE_SCHEDULES for ck in cks}
+VIRTUAL = {gpipe_key(name, v, ck): v for name, v, cks in GPIPE_SCHEDULES for ck in cks}
 
 
 def run(bench: Bench, out: Path) -> Section:
@@ -87,7 +88,7 @@ def render(s: dict[str, int], repeats: int, found: dict[str, Any], tg: dict[str,
     of every variant, why some did not run, the plan of 'auto'), ``tg`` the torchgpipe comparison."""
     torch_times: dict[str, list[float]] = found["times"]
     not_run: dict[str, str] = found["not_run"]
-    auto_plan: dict[str, Any] | None = found["auto"]
+    auto_plans: dict[str, Any] = found["auto"] or {}
 
     def ratio(times: dict[str, list[float]], a: str, b: str) -> str:
         return spread([x / y for x, y in zip(times[a], times[b])])
@@ -121,9 +122,9 @@ def render(s: dict[str, int], repeats: int, found: dict[str, Any], tg: dict[str,
         lines.append(f"| {label(name)} | {spread(ts, '.3f')} | {same} |")
     for name, why in not_run.items():
         lines.append(f"| {label(name)} | not run: {why.replace('|', '/')} | |")
-    if auto_plan is not None:
-        lines += ["", f"`'auto'` chose {auto_plan['chosen']} (simulated bubble {auto_plan['bubble']:.3f} under the "
-                  "costs it measured)."]  # fmt: skip
+    for key, auto_plan in auto_plans.items():
+        lines += ["", f"`{key}` chose {auto_plan['chosen']} (simulated bubble {auto_plan['bubble']:.3f} under "
+                  "the costs it measured)."]  # fmt: skip
     torch_ran = [n for n in torch_times if n.startswith("torch ")]
     ours = [n for n in torch_times if n.startswith("gpipe") and n.endswith("(never)")]
     lines.append("")
@@ -132,9 +133,9 @@ def render(s: dict[str, int], repeats: int, found: dict[str, Any], tg: dict[str,
         ours_best = min(ours, key=median)
         lines.append(f"Best against best (equal work): {ours_best} / {torch_best} = "
                      f"{ratio(torch_times, ours_best, torch_best)}.")  # fmt: skip
-        if "gpipe auto (never)" in torch_times:
-            lines.append(f"auto against torch's best: gpipe auto (never) / {torch_best} = "
-                         f"{ratio(torch_times, 'gpipe auto (never)', torch_best)} (target ≤ 0.95).")  # fmt: skip
+        for key in (n for n in ours if n.startswith("gpipe auto")):
+            lines.append(f"auto against torch's best: {key} / {torch_best} = "
+                         f"{ratio(torch_times, key, torch_best)} (target ≤ 0.95).")  # fmt: skip
     else:
         lines.append("Best against best: not measured (no torch schedule or no gpipe schedule ran).")
     lines.append("")

@@ -21,6 +21,7 @@ from gpipe.bench.common import (
     GPIPE_SCHEDULES,
     TORCH_SCHEDULES,
     Bench,
+    gpipe_key,
     mlp,
     mlp_batch,
     take_turns,
@@ -76,7 +77,8 @@ def _reason(exc: BaseException) -> str:
 
 def vs_torch(spec: dict[str, Any]) -> dict[str, Any]:
     """gpipe's Pipeline and torch.distributed.pipelining's schedules on the same model, 2 ranks:
-    ``{"times": {variant: step times}, "not_run": {variant: why}, "auto": the plan of 'auto'}``.
+    ``{"times": {variant: step times}, "not_run": {variant: why}, "auto": {variant: its plan}}`` (the
+    'auto' variants: one stage per worker, and two in a V).
 
     Every torch schedule gets its own copy of the model (split into as many stages as it places), the
     same micro-batches, the same loss and zeroed gradients after every step; it runs in a process group
@@ -120,10 +122,10 @@ def vs_torch(spec: dict[str, Any]) -> dict[str, Any]:
             steps[key] = torch_step
         else:
             not_run[key] = reason
-    auto: Pipeline | None = None
+    autos: dict[str, Pipeline] = {}
     for name, virtual, checkpoints in GPIPE_SCHEDULES:
         for checkpoint in checkpoints:
-            key = f"gpipe {name} ({checkpoint})"
+            key = gpipe_key(name, virtual, checkpoint)
             try:
                 pipe = Pipeline(copy.deepcopy(base), [len(base) // (world * virtual)] * (world * virtual),
                                 chunks=spec["chunks"], schedule=name, loss_fn=F.mse_loss, checkpoint=checkpoint,
@@ -137,17 +139,17 @@ def vs_torch(spec: dict[str, Any]) -> dict[str, Any]:
                 pipe.zero_grad()
 
             if name == "auto":
-                auto = pipe
+                autos[key] = pipe
                 for _ in range(AUTO_WARMUP - 1):  # take_turns warms up once more
                     gpipe_step()
             steps[key] = gpipe_step
     times = take_turns(steps, spec["repeats"], _barrier)
-    plan = None
-    if auto is not None and isinstance(auto.engine.planner, AutoPlanner):
-        made = auto.engine.planner.last_plan
+    plans = {}
+    for key, auto in autos.items():
+        made = auto.engine.planner.last_plan if isinstance(auto.engine.planner, AutoPlanner) else None
         if made is not None:
-            plan = {"chosen": made.chosen, "bubble": made.bubble, "explain": made.explain()}
-    return {"times": times, "not_run": not_run, "auto": plan}
+            plans[key] = {"chosen": made.chosen, "bubble": made.bubble, "explain": made.explain()}
+    return {"times": times, "not_run": not_run, "auto": plans}
 
 
 TASKS: dict[str, Callable[[dict[str, Any]], Any]] = {"throughput": throughput, "vs_torch": vs_torch}
