@@ -6,13 +6,14 @@ time: the first step at a given M runs a schedule planned for equal costs within
 actions timed; from that trace — every rank's under torch.distributed, gathered so that all ranks
 plan from the same numbers and build the same schedule — come each stage's median F, I, W and B, the
 hand-over time (how long an action waited past the end of the action on another worker it needed,
-when nothing else held it up), how much action times vary (``jitter``) and, for a cap in bytes, each stage's activation bytes per micro-batch
-(measured with the activation meter). :func:`gpipe.schedule.auto.plan` then builds the fastest schedule
-that fits the cap. Costs are measured again after the second step (without the first step's one-time
-costs) and every ``replan_every`` steps after; a new plan is made when some stage's cost moved by more
-than ``drift``. A measuring step runs its schedule with the backward of even micro-batches fused (B)
-and of odd ones split (I, W) — :func:`mixed_backwards`, no more memory — so that both kinds of
-backward stay measured, whichever the plan prefers.
+when nothing else held it up), how much action times vary (``jitter``) and, for a cap in bytes, each
+stage's activation bytes per micro-batch (measured with the activation meter).
+:func:`gpipe.schedule.auto.plan` then builds the fastest schedule that fits the cap. Costs are
+measured again after the second step (without the first step's one-time costs) and every
+``replan_every`` steps after; a new plan is made when some stage's cost moved by more than
+``drift``. A measuring step runs its schedule with the backward of even micro-batches fused (B) and
+of odd ones split (I, W) — :func:`mixed_backwards`, no more memory — so that both kinds of backward
+stay measured, whichever the plan prefers.
 """
 
 from __future__ import annotations
