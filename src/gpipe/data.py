@@ -29,6 +29,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -37,7 +38,63 @@ from torch import Tensor
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
 
-__all__ = ["ImageBatch", "ImageFiles", "SyntheticImages", "SyntheticTranslation", "TextPairs", "TranslationBatch"]
+
+class DataBatch(Protocol):
+    """A batch of a :class:`Dataset`: the model's inputs, the loss's target, and how many items
+    (tokens, images) it holds."""
+
+    @property
+    def inputs(self) -> Any: ...
+
+    @property
+    def target(self) -> Tensor: ...
+
+    @property
+    def count(self) -> int: ...
+
+
+class Dataset(Protocol):
+    """What ``gpipe train`` reads from a data set."""
+
+    unit: str  # what a batch's count counts: 'tokens' or 'images'
+    baseline_name: str
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> DataBatch: ...
+
+    def baseline(self) -> float: ...
+
+
+@runtime_checkable
+class TokenDataset(Dataset, Protocol):
+    """A data set of token sequences: what a language model is sized from."""
+
+    @property
+    def vocab(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+
+@runtime_checkable
+class ImageDataset(Dataset, Protocol):
+    """A data set of labelled images: what a classifier is sized from."""
+
+    classes: int
+    channels: int
+
+
+__all__ = [
+    "DataBatch",
+    "Dataset",
+    "ImageBatch",
+    "ImageDataset",
+    "ImageFiles",
+    "SyntheticImages",
+    "SyntheticTranslation",
+    "TextPairs",
+    "TokenDataset",
+    "TranslationBatch",
+]
 
 PAD, BOS, EOS = 0, 1, 2
 _SPLITS = {"train": 0, "eval": 1}

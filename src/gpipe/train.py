@@ -43,7 +43,16 @@ import torch.distributed as dist
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import CHECKPOINT_MODES
 from gpipe.cli import ArgumentParser, UsageError
-from gpipe.data import PAD, ImageFiles, SyntheticImages, SyntheticTranslation, TextPairs
+from gpipe.data import (
+    PAD,
+    Dataset,
+    ImageDataset,
+    ImageFiles,
+    SyntheticImages,
+    SyntheticTranslation,
+    TextPairs,
+    TokenDataset,
+)
 from gpipe.models import amoebanet_d, hf, transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import (
@@ -539,7 +548,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     return {**last, "baseline": baseline}
 
 
-def _data(cfg: TrainConfig) -> Any:
+def _data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
         if cfg.data:
             return hf.text_data(cfg.data, seed=cfg.seed)
@@ -553,19 +562,33 @@ def _data(cfg: TrainConfig) -> Any:
     return SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed)
 
 
-def _model(cfg: TrainConfig, data: Any) -> torch.nn.Sequential:
+def _model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
     """The model on the meta device: each stage materializes only its own layers."""
     if cfg.model == "hf":
-        return _hf_model(cfg, data)
+        return _hf_model(cfg, _tokens(data))
     with torch.device("meta"):
         if cfg.model == "amoebanet":
+            data = _images(data)
             return amoebanet_d(cfg.depth, cfg.filters, classes=data.classes, in_channels=data.channels,
                                stem_cells=cfg.stem_cells)  # fmt: skip
-        return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=data.vocab, max_len=64,
+        vocab = _tokens(data).vocab
+        return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=64,
                            dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
 
 
-def _hf_model(cfg: TrainConfig, data: Any) -> torch.nn.Sequential:
+def _tokens(data: Dataset) -> TokenDataset:
+    if not isinstance(data, TokenDataset):
+        raise TypeError(f"a language model needs token data, got {type(data).__name__}")
+    return data
+
+
+def _images(data: Dataset) -> ImageDataset:
+    if not isinstance(data, ImageDataset):
+        raise TypeError(f"an image classifier needs image data, got {type(data).__name__}")
+    return data
+
+
+def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     """The Hugging Face model as pipeline layers, on the meta device like the built-in models: each
     process materializes its own stages' layers, initialized by the model's ``_init_weights``
     seeded per layer from ``--seed``, alike in every process and for every partition count."""
@@ -586,7 +609,7 @@ def _hf_model(cfg: TrainConfig, data: Any) -> torch.nn.Sequential:
 
 
 @torch.no_grad()
-def evaluate(pipe: Pipeline, data: Any, cfg: TrainConfig, loss_fn: Any) -> dict[str, float]:
+def evaluate(pipe: Pipeline, data: Dataset, cfg: TrainConfig, loss_fn: Any) -> dict[str, float]:
     """The mean loss over ``cfg.eval_batches`` held-out batches (and the accuracy, for images)."""
     pipe.eval()
     images = data.unit == "images"
