@@ -584,6 +584,12 @@ class Stage:
     def backward_weight(self, m: int, saved: Saved) -> None:
         """Weight-gradient backward (W), after :meth:`backward_input` of the same micro-batch."""
         assert saved.tape is not None, "W before I"
+        # One autograd call for every layer's weight gradients: the layers' graphs are apart (each
+        # layer's input is a leaf of the tape); one call over all of them saves the engine's per-call
+        # work (in isolation, 12 Linear/GELU layers on one core: 38-51 ms against 57-63 ms per layer).
+        all_outs: list[Tensor] = []
+        all_grads: list[Tensor] = []
+        all_params: dict[int, Tensor] = {}
         for j, ((_, outputs), grads) in enumerate(zip(saved.tape, saved.output_grads)):
             params = self._params(j)
             if j in saved.weight_grads:
@@ -594,7 +600,11 @@ class Stage:
                 continue
             outs, gs = _pairs(outputs, grads)
             if params and outs:
-                torch.autograd.backward(outs, gs, inputs=params)
+                all_outs += outs
+                all_grads += gs
+                all_params.update((id(p), p) for p in params)
+        if all_outs:
+            torch.autograd.backward(all_outs, all_grads, inputs=list(all_params.values()))
         saved.tape = None
         saved.output_grads = []
         saved.weight_grads = {}
