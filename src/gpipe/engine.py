@@ -118,6 +118,7 @@ def build(
         tied=tied, init_fn=init_fn,
     )  # fmt: skip
     stages = _stages(partitions, balance, placement, loss_fn)
+    comm = Collectives()
     return Engine(
         placement,
         Executor(stages, placement, cpu_threads=cpu_threads),
@@ -125,8 +126,8 @@ def build(
         balance,
         list(placement.devices),
         local_ties(partitions, balance, tied),
-        Collectives(),
-        planner_of(schedule, placement, virtual, Collectives()),
+        comm,
+        planner_of(schedule, placement, virtual, comm),
     )
 
 
