@@ -93,3 +93,51 @@ def test_real_data_from_a_tab_separated_file(tmp_path: Path) -> None:
 def test_bad_flags_and_data(tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--out", str(tmp_path / "x"), "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def _scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_event_files_hold_the_metrics(tmp_path: Path) -> None:
+    train(quick(tmp_path / "run", steps=6, eval_every=3))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scalars = _scalars(tmp_path / "run")
+    assert {"loss", "lr", "bubble", "eval_loss", "tokens_per_s"} <= scalars.keys()
+    for tag in ("loss", "lr", "tokens_per_s", "eval_loss"):
+        expected = [(r["step"], r[tag]) for r in rows if tag in r]
+        assert [s for s, _ in scalars[tag]] == [s for s, _ in expected], tag
+        assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+    assert [s for s, _ in scalars["eval_loss"]] == [3, 6]
+
+
+def test_tensorboard_after_resume_holds_each_step_once(tmp_path: Path) -> None:
+    import shutil
+
+    train(quick(tmp_path / "run", steps=6, checkpoint_every=2, eval_every=2))
+    # As if the run had died after step 6's events but before its checkpoint: the newest is step 4's.
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000006")
+    (checkpoints / "latest").write_text("step-00000004")
+    train(quick(tmp_path / "run", steps=6, checkpoint_every=2, eval_every=2, resume=True))
+    steps = [s for s, _ in _scalars(tmp_path / "run")["loss"]]
+    assert steps == sorted(set(steps)) == list(range(1, 7))
+    assert [(s, round(v, 5)) for s, v in _scalars(tmp_path / "run")["loss"]] == [
+        (s, round(v, 5)) for s, v in losses(tmp_path / "run")
+    ]
+
+
+def test_tensorboard_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train(quick(tmp_path / "off", steps=2, eval_every=2, tensorboard="off"))
+    assert not (tmp_path / "off" / "tensorboard").exists()
+    monkeypatch.setattr(train_module, "_has_tensorboard", lambda: False)
+    train(quick(tmp_path / "auto", steps=2, eval_every=2))  # auto without the package: no event files
+    assert not (tmp_path / "auto" / "tensorboard").exists()
+    with pytest.raises(ValueError, match="--tensorboard on needs the tensorboard package"):
+        quick(tmp_path / "on", tensorboard="on").check()
+    with pytest.raises(ValueError, match="unknown --tensorboard 'yes'; choose one of auto, on, off"):
+        quick(tmp_path / "on", tensorboard="yes").check()

@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import fcntl
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -71,6 +72,13 @@ from gpipe.sequential import to_sequential
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
+TENSORBOARD_MODES = ("auto", "on", "off")
+SCALARS = ("loss", "lr", "bubble", "eval_loss", "eval_accuracy")  # and the throughput, tokens/images per s
+
+
+def _has_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
 
 MODELS = ("transformer", "amoebanet", "hf")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
@@ -207,6 +215,13 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    tensorboard: str = field(
+        default="auto",
+        metadata={
+            "help": "TensorBoard event files in OUT/tensorboard: auto (when the tensorboard package is "
+            "installed), on (refuse to run without it), off"
+        },
+    )
 
     @property
     def virtual(self) -> int:
@@ -223,6 +238,14 @@ class TrainConfig:
             raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.schedule not in (*SCHEDULES, "auto"):
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, auto")
+        if self.tensorboard not in TENSORBOARD_MODES:
+            raise ConfigError(
+                f"unknown --tensorboard {self.tensorboard!r}; choose one of {', '.join(TENSORBOARD_MODES)}"
+            )
+        if self.tensorboard == "on" and not _has_tensorboard():
+            raise ConfigError(
+                "--tensorboard on needs the tensorboard package (pip install tensorboard), or use --tensorboard off"
+            )
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(
                 f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
@@ -488,6 +511,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     rate = f"{data.unit}_per_s"
     bubble = simulate(pipe.schedule_for(cfg.chunks)).bubble
     bar = _progress(cfg, start)
+    board = _board(cfg, out, start)
     last: dict[str, Any] = {}
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
     interrupts = Interrupts()
@@ -519,6 +543,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 if _rank() == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
+                if board is not None:
+                    for name in (*SCALARS, rate):
+                        if name in last:
+                            board.add_scalar(name, last[name], step)
                 if bar is not None:
                     speed = {f"{data.unit[:3]}_s": f"{last[rate]:.0f}"}
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}")
@@ -534,6 +562,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         raise
     finally:
         interrupts.restore()
+        if board is not None:
+            board.close()
     if bar is not None:
         bar.close()
     _save(cfg, pipe, optimizer, scheduler, out, done)
@@ -626,6 +656,16 @@ def evaluate(pipe: Pipeline, data: Dataset, cfg: TrainConfig, loss_fn: Any) -> d
     if images:
         result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
     return result
+
+
+def _board(cfg: TrainConfig, out: Path, start: int) -> Any:
+    """TensorBoard's writer of OUT/tensorboard on rank 0 (None when off, or auto without the package).
+    A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does."""
+    if _rank() != 0 or cfg.tensorboard == "off" or not _has_tensorboard():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
 
 
 def _progress(cfg: TrainConfig, start: int) -> Any:
