@@ -1,0 +1,215 @@
+"""Greedy and beam-search decoding: plain model, one-process pipelines and torch.distributed alike."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
+
+from gpipe import Pipeline
+from gpipe.data import EOS, PAD
+from gpipe.decode import beam_search, greedy
+from gpipe.models.transformer import Output, transformer
+from tests.dist_harness import ROOT, free_port, wait
+
+VOCAB = 20
+
+
+def model_of(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = transformer(1, 32, 2, dim=16, vocab=VOCAB, max_len=16, dropout=0.0)
+    # sharpen the logits: a random model's near-uniform predictions make eos rare and ties likely
+    output = model[-1]
+    assert isinstance(output, Output)
+    with torch.no_grad():
+        output.proj.weight.mul_(8.0)
+    return model.eval()
+
+
+def data(seed: int, batch: int = 5) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    source = torch.randint(3, VOCAB, (batch, 6), generator=g)
+    source[0, 4:] = PAD  # a padded source sentence
+    start = torch.randint(3, 7, (batch,), generator=g)
+    return source, start
+
+
+def pipeline_of(model: nn.Sequential, k: int) -> Pipeline:
+    balance = {1: [5], 2: [2, 3]}[k]
+    pipe = Pipeline(
+        copy.deepcopy(model), balance, chunks=2, loss_fn=lambda out, target: out.sum(), devices=["cpu"] * k,
+        cpu_threads=1,
+    )  # fmt: skip
+    return pipe.eval()
+
+
+def log_prob(model: nn.Module, source: Tensor, start: Tensor, tokens: Tensor) -> Tensor:
+    """Each sentence's log-probability of ``tokens`` up to its first eos (all of them without)."""
+    target_in = torch.cat([start.unsqueeze(1), tokens[:, :-1]], dim=1)
+    with torch.no_grad():
+        log_probs = F.log_softmax(model((source, target_in)).float(), dim=-1)
+    picked = log_probs.gather(2, tokens.unsqueeze(2)).squeeze(2)
+    ended = (tokens == EOS).long().cumsum(1)
+    counted = (ended == 0) | ((ended == 1) & (tokens == EOS))
+    return (picked * counted).sum(1)
+
+
+def check_padded(out: Tensor) -> None:
+    """After a sentence's eos only pad."""
+    for row in out.tolist():
+        if EOS in row:
+            assert all(t == PAD for t in row[row.index(EOS) + 1 :]), row
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_one_is_greedy(seed: int, alpha: float) -> None:
+    model = model_of(seed)
+    source, start = data(seed)
+    expected = greedy(model, source, start, max_len=10)
+    assert expected.size(1) <= 10
+    check_padded(expected)
+    assert torch.equal(beam_search(model, source, start, beam=1, max_len=10, length_penalty=alpha), expected)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_pipeline_decodes_as_the_plain_model(k: int) -> None:
+    model = model_of(3)
+    source, start = data(3)
+    pipe = pipeline_of(model, k)
+    assert torch.equal(greedy(pipe, source, start, max_len=8), greedy(model, source, start, max_len=8))
+    assert torch.equal(
+        beam_search(pipe, source, start, beam=3, max_len=8), beam_search(model, source, start, beam=3, max_len=8)
+    )
+
+
+def test_beam_finds_no_worse_than_greedy() -> None:
+    for seed in range(6):
+        model = model_of(10 + seed)
+        source, start = data(10 + seed, batch=6)
+        g = greedy(model, source, start, max_len=8)
+        b = beam_search(model, source, start, beam=4, max_len=8, length_penalty=0.0)
+        check_padded(b)
+        lp_g, lp_b = log_prob(model, source, start, g), log_prob(model, source, start, b)
+        assert bool((lp_b >= lp_g - 1e-4).all()), (seed, lp_g, lp_b)
+
+
+class Rigged(nn.Module):
+    """Prefers token 7 and then eos at the step the start token names (2 for start=2+3, ...)."""
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        _, target_in = inputs
+        n, t = target_in.shape
+        logits = torch.zeros(n, t, VOCAB)
+        logits[..., 7] = 5.0
+        stop = target_in[:, 0] - 3  # the step (1-based) that should produce eos
+        logits[..., EOS] = torch.where(stop == t, 10.0, -10.0).unsqueeze(1).expand(n, t)
+        return logits
+
+
+@pytest.mark.parametrize("beam", [None, 1, 3])
+def test_a_model_that_ends_at_step_two_stops_and_pads(beam: int | None) -> None:
+    source = torch.full((3, 4), 9)
+    start = torch.tensor([5, 7, 5])  # eos at step 2, 4, 2
+    model = Rigged().eval()
+    out = (
+        greedy(model, source, start, max_len=10)
+        if beam is None
+        else beam_search(model, source, start, beam=beam, max_len=10)
+    )
+    assert out.tolist() == [[7, EOS, PAD, PAD], [7, 7, 7, EOS], [7, EOS, PAD, PAD]]
+
+
+def test_max_len_cuts_unfinished_sentences() -> None:
+    model = Rigged().eval()
+    source, start = torch.full((2, 4), 9), torch.tensor([5, 15])  # the second would stop at step 12
+    assert greedy(model, source, start, max_len=3).tolist() == [[7, EOS, PAD], [7, 7, 7]]
+    assert beam_search(model, source, start, beam=2, max_len=3).tolist() == [[7, EOS, PAD], [7, 7, 7]]
+
+
+def test_bad_arguments_are_named() -> None:
+    model = model_of(0)
+    source, start = data(0)
+    with pytest.raises(ValueError, match=r"beam must be an integer >= 1 \(beam: 0\)"):
+        beam_search(model, source, start, beam=0, max_len=5)
+    with pytest.raises(ValueError, match=r"max_len must be an integer >= 1 \(max_len: 0\)"):
+        greedy(model, source, start, max_len=0)
+    with pytest.raises(ValueError, match=r"max_len.*\(max_len: 2.5\)"):
+        beam_search(model, source, start, beam=2, max_len=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"length_penalty.*\(length_penalty: -1\)"):
+        beam_search(model, source, start, beam=2, max_len=5, length_penalty=-1)
+    with pytest.raises(ValueError, match=r"start has 4 tokens but source 5 sentences"):
+        greedy(model, source, start[:4], max_len=5)
+    with pytest.raises(ValueError, match=r"source must be a \(B, S\) tensor.*\(6,\)"):
+        greedy(model, source[0], start, max_len=5)
+    with pytest.raises(ValueError, match=r"start must be a \(B,\) tensor.*\(5, 1\)"):
+        greedy(model, source, start.unsqueeze(1), max_len=5)
+    with pytest.raises(ValueError, match="evaluation mode"):
+        greedy(model.train(), source, start, max_len=5)
+
+
+def test_a_model_returning_something_else_is_named() -> None:
+    source, start = data(0)
+    with pytest.raises(ValueError, match=r"logits \(N, T, vocab\).*\(5, 1\).*\(5, 20\)"):
+        greedy(lambda inputs: torch.zeros(5, VOCAB), source, start, max_len=5)
+
+
+# -- torch.distributed: one process per stage (gloo), run as python -m tests.test_decode OUT --
+
+
+def _rank_main(out: str) -> None:
+    torch.set_num_threads(1)
+    model = model_of(3)
+    source, start = data(3)
+    pipe = Pipeline(model, [2, 3], chunks=2, loss_fn=lambda out, target: out.sum()).eval()
+    assert pipe.distributed and pipe.engine.placement.local_stages == (int(os.environ["RANK"]),)
+    result = {
+        "greedy": greedy(pipe, source, start, max_len=8),
+        "beam": beam_search(pipe, source, start, beam=3, max_len=8),
+    }
+    torch.save(result, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_of_a_distributed_pipeline_decodes_alike(tmp_path: Path) -> None:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        cmd = [sys.executable, "-m", "tests.test_decode", str(tmp_path / f"rank{rank}.pt")]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    codes, outputs, _ = wait(procs, 120)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    model = model_of(3)
+    source, start = data(3)
+    expected = {
+        "greedy": greedy(model, source, start, max_len=8),
+        "beam": beam_search(model, source, start, beam=3, max_len=8),
+    }
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), (rank, name)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
