@@ -1,0 +1,351 @@
+"""One SentencePiece vocabulary shared by every language, as in the paper's multilingual NMT.
+
+The vocabulary is trained on text sampled from every language pair with temperature T (T=5 in the
+paper): pair l, holding D_l sentence pairs, is drawn with probability ∝ (D_l / ΣD)^(1/T)
+(:func:`gpipe.recipe.temperature_sampling`), so low-resource languages get far more of the
+vocabulary than their share of the data; character coverage 0.999995.
+
+A data directory holds one parallel file per language pair; the file name gives the direction:
+
+- ``<src>-<tgt>.tsv``: one ``source<TAB>target`` per line (``en-de.tsv``); blank lines are skipped,
+  any other line must hold exactly one tab;
+- ``<src>-<tgt>.<src>`` + ``<src>-<tgt>.<tgt>``: two files aligned line by line (``en-de.en`` +
+  ``en-de.de``); they must have as many lines, and lines blank on both sides are skipped.
+
+Language codes are letters, digits and ``_`` (``en``, ``zh_Hant``); other files are ignored. The
+target language ``xx`` of a pair gets the tag ``<2xx>``, one piece of the vocabulary.
+
+Fixed ids (as :mod:`gpipe.data`): pad 0 (``<pad>``), bos 1 (``<s>``), eos 2 (``</s>``), unk 3
+(``<unk>``), then the ``<2xx>`` tags in sorted order from 4, then the learnt pieces.
+
+:func:`train_vocab` is a pure function of (data, size, temperature, sample, seed, threads): it seeds
+SentencePiece's generator and gives it the sampled text in a fixed order. Pair files are read whole
+into memory (sample very large corpora down first). It needs the
+``sentencepiece`` package (in the ``dev`` extra), imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpipe.recipe import temperature_sampling
+
+if TYPE_CHECKING:
+    import sentencepiece
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "PAD",
+    "UNK",
+    "Pairs",
+    "Vocab",
+    "pair_probabilities",
+    "read_pairs",
+    "sample_text",
+    "tag_piece",
+    "train_vocab",
+]
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+_RESERVED = 4  # pad, bos, eos, unk
+_PAIR_FILE = re.compile(r"^(?P<src>[A-Za-z0-9_]+)-(?P<tgt>[A-Za-z0-9_]+)\.(?P<ext>[A-Za-z0-9_]+)$")
+_NAMING = "<src>-<tgt>.tsv, or <src>-<tgt>.<src> + <src>-<tgt>.<tgt> (such as en-de.en + en-de.de)"
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+
+
+def tag_piece(lang: str) -> str:
+    """The tag asking for a translation into ``lang``: ``<2lang>``."""
+    return f"<2{lang}>"
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The sentence pairs of one language pair, ``src`` → ``tgt``, read from ``files``."""
+
+    src: str
+    tgt: str
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    files: tuple[Path, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}-{self.tgt}"
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 file, without their line ends (only \\n, \\r\\n and \\r end a line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc}") from None
+    if not text.strip():
+        raise ValueError(f"{str(path)!r} is empty")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _read_tsv(path: Path, src: str, tgt: str) -> Pairs:
+    sources, targets = [], []
+    for number, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{number}: expected exactly one tab (source<TAB>target), found {len(parts) - 1}")
+        sources.append(parts[0])
+        targets.append(parts[1])
+    return Pairs(src, tgt, tuple(sources), tuple(targets), (path,))
+
+
+def _read_split(src_path: Path, tgt_path: Path, src: str, tgt: str) -> Pairs:
+    source_lines, target_lines = _read_lines(src_path), _read_lines(tgt_path)
+    if len(source_lines) != len(target_lines):
+        raise ValueError(
+            f"{str(src_path)!r} has {len(source_lines)} lines but {str(tgt_path)!r} has "
+            f"{len(target_lines)}: the two sides of a pair must be aligned line by line"
+        )
+    kept = [(s, t) for s, t in zip(source_lines, target_lines) if s.strip() or t.strip()]
+    return Pairs(src, tgt, tuple(s for s, _ in kept), tuple(t for _, t in kept), (src_path, tgt_path))
+
+
+def read_pairs(directory: str | os.PathLike[str]) -> dict[str, Pairs]:
+    """The language pairs of a data directory (see the module's naming rule), by name (``"en-de"``),
+    sorted. Raises ``ValueError`` naming the file (and line) at fault."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"{str(root)!r} is not a directory")
+    tsv: dict[tuple[str, str], Path] = {}
+    halves: dict[tuple[str, str], dict[str, Path]] = {}
+    for path in sorted(root.iterdir()):
+        match = _PAIR_FILE.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        src, tgt, ext = match["src"], match["tgt"], match["ext"]
+        if ext == "tsv":
+            tsv[src, tgt] = path
+        elif ext in (src, tgt):
+            halves.setdefault((src, tgt), {})[ext] = path
+        else:
+            continue
+        if src == tgt:
+            raise ValueError(f"{str(path)!r}: a pair's source and target languages must differ")
+    pairs: dict[str, Pairs] = {}
+    for src, tgt in sorted(set(tsv) | set(halves)):
+        if (src, tgt) in tsv and (src, tgt) in halves:
+            both = [tsv[src, tgt].name, *(p.name for p in halves[src, tgt].values())]
+            raise ValueError(f"pair {src}-{tgt} is given twice in {str(root)!r}: {', '.join(sorted(both))}")
+        if (src, tgt) in tsv:
+            pair = _read_tsv(tsv[src, tgt], src, tgt)
+        else:
+            found = halves[src, tgt]
+            missing = [f"{src}-{tgt}.{lang}" for lang in (src, tgt) if lang not in found]
+            if missing:
+                present = next(iter(found.values())).name
+                raise ValueError(f"{present} in {str(root)!r} has no other side: {missing[0]} is missing")
+            pair = _read_split(found[src], found[tgt], src, tgt)
+        if not len(pair):
+            raise ValueError(f"{', '.join(repr(str(p)) for p in pair.files)}: no sentence pairs")
+        pairs[pair.name] = pair
+    if not pairs:
+        seen = sorted(p.name for p in root.iterdir())[:5]
+        raise ValueError(
+            f"no language pair files in {str(root)!r} (found: {', '.join(seen) or 'nothing'}); name them {_NAMING}"
+        )
+    return pairs
+
+
+def pair_probabilities(pairs: Mapping[str, Pairs], temperature: float = 5.0) -> dict[str, float]:
+    """The probability of drawing each pair (by name, sorted): (D_l / ΣD)^(1/T), normalized."""
+    names = sorted(pairs)
+    if not names:
+        raise ValueError("no language pairs")
+    probabilities = temperature_sampling([len(pairs[n]) for n in names], temperature)
+    return dict(zip(names, probabilities))
+
+
+def sample_text(
+    pairs: Mapping[str, Pairs], temperature: float = 5.0, sentences: int = 100_000, seed: int = 0
+) -> list[str]:
+    """``sentences`` draws of a sentence pair: each draw picks a language pair with
+    :func:`pair_probabilities` and then one of its sentence pairs uniformly (with replacement), and
+    contributes both sides, source then target — ``2 * sentences`` lines. Deterministic for a seed."""
+    if sentences <= 0:
+        raise ValueError(f"sentences must be positive (sentences: {sentences})")
+    probabilities = pair_probabilities(pairs, temperature)
+    chosen = [pairs[name] for name in probabilities]
+    rng = random.Random(seed)
+    text: list[str] = []
+    for pair in rng.choices(chosen, weights=list(probabilities.values()), k=sentences):
+        i = rng.randrange(len(pair))
+        text += (pair.sources[i], pair.targets[i])
+    return text
+
+
+def _sentencepiece() -> Any:
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ImportError("gpipe.vocab needs sentencepiece: pip install sentencepiece") from None
+    return sentencepiece
+
+
+def train_vocab(
+    data: str | os.PathLike[str] | Mapping[str, Pairs],
+    out_prefix: str | os.PathLike[str],
+    *,
+    size: int,
+    temperature: float = 5.0,
+    sample: int = 1_000_000,
+    character_coverage: float = 0.999995,
+    seed: int = 0,
+    model_type: str = "unigram",
+    threads: int = 16,
+    keep_text: bool = False,
+    quiet: bool = True,
+) -> Path:
+    """Train a shared SentencePiece vocabulary of ``size`` pieces; returns ``<out_prefix>.model``
+    (``<out_prefix>.vocab`` lists the pieces).
+
+    ``data``: a data directory (:func:`read_pairs`) or its pairs. The training text is
+    :func:`sample_text` (``sample`` draws, both sides, at ``temperature``); SentencePiece uses all of
+    it (input_sentence_size = its line count, no shuffling of its own). ``keep_text`` keeps it as
+    ``<out_prefix>.sample.txt``. Every target language ``xx`` gets the piece ``<2xx>``; ids are those
+    of the module's docstring. ``threads`` changes the result: keep it fixed for reproducible ids.
+    Raises ``ValueError`` (one line, with a hint) when ``size`` is too large for the text."""
+    spm = _sentencepiece()
+    pairs = data if isinstance(data, Mapping) else read_pairs(data)
+    tags = sorted({tag_piece(p.tgt) for p in pairs.values()})
+    if size <= _RESERVED + len(tags):
+        raise ValueError(
+            f"size must exceed the {_RESERVED} special pieces and {len(tags)} language tags (size: {size})"
+        )
+    if not 0 < character_coverage <= 1:
+        raise ValueError(f"character_coverage must be in (0, 1] (character_coverage: {character_coverage})")
+    text = sample_text(pairs, temperature, sample, seed)
+    prefix = Path(out_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpipe-vocab-") as scratch:
+        text_path = Path(f"{prefix}.sample.txt") if keep_text else Path(scratch) / "sample.txt"
+        with open(text_path, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(line + "\n" for line in text)
+        spm.set_random_generator_seed(seed % 0xFFFFFFFF)  # 0xFFFFFFFF would mean "a random seed"
+        try:
+            spm.SentencePieceTrainer.train(
+                input=str(text_path),
+                model_prefix=str(prefix),
+                vocab_size=size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                input_sentence_size=len(text),
+                shuffle_input_sentence=False,
+                pad_id=PAD,
+                bos_id=BOS,
+                eos_id=EOS,
+                unk_id=UNK,
+                pad_piece="<pad>",
+                bos_piece="<s>",
+                eos_piece="</s>",
+                unk_piece="<unk>",
+                user_defined_symbols=tags,
+                num_threads=threads,
+                minloglevel=2 if quiet else 0,
+            )
+        except RuntimeError as exc:
+            message = " ".join(str(exc).split())
+            too_high = _TOO_HIGH.search(message)
+            if too_high:
+                raise ValueError(
+                    f"vocabulary size {size} is too large for the sampled text: SentencePiece can make at most "
+                    f"{too_high[2]} pieces of it; lower the size, or give more text (a larger sample or more data)"
+                ) from None
+            raise ValueError(f"SentencePiece could not train on {len(text)} sampled lines: {message}") from None
+    return Path(f"{prefix}.model")
+
+
+class Vocab:
+    """A SentencePiece model (such as :func:`train_vocab`'s): ids of text and text of ids."""
+
+    def __init__(self, model: str | os.PathLike[str]) -> None:
+        spm = _sentencepiece()
+        self.path = Path(model)
+        if not self.path.is_file():
+            raise ValueError(f"no SentencePiece model at {str(self.path)!r}")
+        try:
+            self._sp: sentencepiece.SentencePieceProcessor = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"{str(self.path)!r} is not a SentencePiece model: {exc}") from None
+        self._tags = {
+            piece[2:-1]: i
+            for i in range(self.size)
+            if re.fullmatch(r"<2[A-Za-z0-9_]+>", piece := self._sp.id_to_piece(i))
+            and not self._sp.is_control(i)
+            and self._sp.get_score(i) == 0.0  # a user-defined piece, not one learnt from text
+        }
+
+    @property
+    def size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id()
+
+    @property
+    def bos(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def unk(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def languages(self) -> list[str]:
+        """The languages with a ``<2xx>`` tag, sorted."""
+        return sorted(self._tags)
+
+    def tag(self, lang: str) -> int:
+        """The id of ``<2lang>``, the tag asking for a translation into ``lang``."""
+        if lang not in self._tags:
+            raise KeyError(f"no tag {tag_piece(lang)} in {str(self.path)!r} (languages: {', '.join(self.languages)})")
+        return self._tags[lang]
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """The ids of ``text``'s pieces (after SentencePiece's NFKC normalization)."""
+        return [int(i) for i in self._sp.encode(text, add_bos=add_bos, add_eos=add_eos)]
+
+    def pieces(self, text: str) -> list[str]:
+        """``text``'s pieces, as strings."""
+        return [str(p) for p in self._sp.encode(text, out_type=str)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``; pad, bos and eos decode to nothing."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.size]
+        if bad:
+            raise ValueError(f"ids out of the vocabulary's range [0, {self.size}): {bad[:5]}")
+        return str(self._sp.decode(ids))
+
+    def __repr__(self) -> str:
+        return f"Vocab({str(self.path)!r}, size={self.size}, languages={self.languages})"
