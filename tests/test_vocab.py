@@ -21,8 +21,6 @@ from gpipe.vocab import (
     train_vocab,
 )
 
-pytest.importorskip("sentencepiece")
-
 SYLLABLES = {
     "en": ["the", "an", "or", "is", "wa", "ter", "ing", "ed", "st"],
     "de": ["der", "ein", "ung", "sch", "ich", "ei", "en", "au"],
@@ -266,3 +264,20 @@ def test_vocab_missing_model(tmp_path: Path) -> None:
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="is not a SentencePiece model"):
         Vocab(tmp_path / "junk.model")
+
+
+def test_the_vocab_command(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpipe.cli import main
+
+    out = tmp_path / "shared"
+    assert main(["vocab", "--data", str(corpus), "--size", "200", "--sample", "4000", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    shares = pair_probabilities(read_pairs(corpus), 5.0)
+    for name, share in shares.items():
+        assert f"{share:7.2%} of the sample" in printed, name
+    assert f"wrote {out}.model (200 pieces)" in printed
+    assert Vocab(Path(f"{out}.model")).size == 200
+    assert main(["vocab", "--data", str(tmp_path / "none"), "--size", "200"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["vocab", "--data", str(corpus), "--size", "0"]) == 2
+    assert "--size must be positive (got 0)" in capsys.readouterr().err

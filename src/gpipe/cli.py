@@ -11,6 +11,9 @@ bubble and the loss of every step.
 ``gpipe schedule --schedule 1f1b --stages 4 --chunks 8 [--virtual 2] [--out timeline.png]`` prints a
 schedule's bubble and peak in-flight activations and draws its timeline.
 
+``gpipe vocab --data DIR --size N`` trains one SentencePiece vocabulary for every language pair in DIR,
+on text sampled with temperature T=5 (see :mod:`gpipe.vocab`).
+
 ``gpipe schedule --auto --stages 4 --chunks 8 --costs F=1,I=1,W=2,transfer=0.1 [--memory-cap 4]`` prints
 the schedule the cost-adaptive scheduler picks for those costs (see :mod:`gpipe.schedule.auto`), why
 (every candidate's step time, peak memory and whether it fits the cap), and draws its timeline.
@@ -256,7 +259,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--out", help="write the timeline picture here (.png, .svg, .pdf, ...)")
     s.set_defaults(func=schedule)
+
+    v = sub.add_parser("vocab", help="train one SentencePiece vocabulary for every language pair of a data directory")
+    v.add_argument("--data", required=True, help="a directory of pair files: xx-yy.tsv, or xx-yy.xx + xx-yy.yy")
+    v.add_argument("--size", type=int, default=32000, help="pieces in the vocabulary (default: 32000)")
+    v.add_argument("--out", help="model prefix: writes PREFIX.model and PREFIX.vocab (default: DATA/vocab)")
+    v.add_argument(
+        "--temperature", type=float, default=5.0, help="sample pairs with p ∝ (D/ΣD)^(1/T) (default: 5, the paper's)"
+    )
+    v.add_argument("--sample", type=int, default=1_000_000, help="sentence pairs drawn to train on (default: 1e6)")
+    v.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    v.set_defaults(func=vocab)
     return parser
+
+
+def vocab(args: argparse.Namespace) -> int:
+    """``gpipe vocab``: the shared vocabulary of a directory of language pairs, and the pairs' shares."""
+    from pathlib import Path
+
+    from gpipe import vocab as vocabulary
+
+    try:
+        pairs = vocabulary.read_pairs(args.data)
+        shares = vocabulary.pair_probabilities(pairs, args.temperature)
+        out = args.out or str(Path(args.data) / "vocab")
+        model = vocabulary.train_vocab(
+            pairs, out, size=args.size, temperature=args.temperature, sample=args.sample, seed=args.seed
+        )
+    except (ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    total = sum(len(p) for p in pairs.values())
+    print(f"{len(pairs)} language pairs, {total} sentence pairs; sampled with temperature {args.temperature:g}:")
+    for name, p in pairs.items():
+        print(f"  {name:<12} {len(p):>9} pairs  {len(p) / total:7.2%} of the data  {shares[name]:7.2%} of the sample")
+    print(f"wrote {model} ({vocabulary.Vocab(model).size} pieces)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,8 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """Refuse bad flags of ``gpipe demo`` and ``gpipe schedule`` before any work starts."""
-    for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual"):
+    """Refuse bad flags of ``gpipe demo``, ``gpipe schedule`` and ``gpipe vocab`` before any work starts."""
+    for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual", "size",
+                 "sample", "temperature"):  # fmt: skip
         if getattr(args, name, 1) <= 0:
             raise UsageError(f"--{name} must be positive (got {getattr(args, name)})")
     if args.command == "demo":
@@ -303,7 +342,7 @@ def _check(args: argparse.Namespace) -> None:
             )
         if args.memory_cap is not None and len(args.memory_cap) == 1:
             args.memory_cap = args.memory_cap[0]
-    if getattr(args, "out", None):
+    if args.command == "schedule" and args.out:
         try:
             check_timeline_path(args.out)
         except ValueError as exc:
