@@ -113,11 +113,10 @@ def build(
     workers = len(balance) // virtual
     placement = Placement(placement_of(schedule, workers, chunks, virtual), tuple(resolve_devices(devices, workers)))
     tied = with_shared(module, balance, tied)
-    partitions = partition(
-        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
+    partitions, stages = _placed_stages(
+        module, balance, placement, loss_fn, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
         tied=tied, init_fn=init_fn,
     )  # fmt: skip
-    stages = _stages(partitions, balance, placement, loss_fn)
     comm = Collectives()
     return Engine(
         placement,
@@ -131,15 +130,30 @@ def build(
     )
 
 
-def _stages(
-    partitions: Sequence[nn.Sequential], balance: Sequence[int], placement: Placement, loss_fn: LossFn | None
-) -> list[Stage]:
+def _placed_stages(
+    module: Layers,
+    balance: Sequence[int],
+    placement: Placement,
+    loss_fn: LossFn | None,
+    *,
+    deferred_batch_norm: bool,
+    init_seed: int,
+    tied: Sequence[Sequence[str]],
+    init_fn: Callable[[nn.Module], None] | None,
+) -> tuple[list[nn.Sequential], list[Stage]]:
+    """Every stage's layers, each materialized where ``placement`` puts it ('meta' elsewhere), and
+    the stages this process runs (the last one computing the loss)."""
+    partitions = partition(
+        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
+        tied=tied, init_fn=init_fn,
+    )  # fmt: skip
     firsts = [sum(balance[:s]) for s in range(len(balance))]
     last = len(balance) - 1
-    return [
+    stages = [
         Stage(s, partitions[s], firsts[s], placement.device_of(s), loss_fn if s == last else None)
         for s in placement.local_stages
     ]
+    return partitions, stages
 
 
 def _default_device() -> torch.device:
@@ -197,11 +211,10 @@ def _build_ranks(
     replicas = mesh.mesh.tolist()
     placement = Placement.distributed(placement_of(schedule, k, chunks, virtual), device, replicas, me)
     tied = with_shared(module, balance, tied)
-    partitions = partition(
-        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
+    partitions, stages = _placed_stages(
+        module, balance, placement, loss_fn, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
         tied=tied, init_fn=init_fn,
     )  # fmt: skip
-    stages = _stages(partitions, balance, placement, loss_fn)
     with collective("creation of the pipeline's process groups"):
         transport = ChannelTransport(placement, device, timeout=timeout)
     ties = _rank_ties(partitions, balance, tied, placement, timeout)

@@ -629,13 +629,3 @@ def loss_scale(
     if not isinstance(count, (int, float)) or count < 0:
         raise ValueError(f"loss_count must return a number >= 0 (loss_count(target): {count!r})")
     return [1.0 / count if count else 0.0] * len(sizes)
-
-
-def stages_of(
-    partitions: Sequence[nn.Sequential], devices: Sequence[torch.device], loss_fn: LossFn | None = None
-) -> list[Stage]:
-    stages, first = [], 0
-    for k, (part, device) in enumerate(zip(partitions, devices)):
-        stages.append(Stage(k, part, first, device, loss_fn if k == len(partitions) - 1 else None))
-        first += len(part)
-    return stages
