@@ -169,7 +169,7 @@ class Pipeline(nn.Module):
             schedule = self.schedule_for(len(batches))
             meter = self.measure_memory or engine.planner.measures_memory(len(batches))
             run, losses = engine.executor.step(schedule, batches, ctx, measure_memory=meter)
-        engine.planner.observe(len(batches), run.trace, run.meter)
+        engine.planner.observe(len(batches), schedule, run.trace, run.meter)
         comm.sync_ties(engine.ties)
         comm.reduce_gradients([p.grad for p in self.parameters() if p.grad is not None])
         peak = tuple(run.meter.peak) if run.meter is not None else None

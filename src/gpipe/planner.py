@@ -31,7 +31,7 @@ from gpipe.executor import TraceEvent
 from gpipe.memory import ActivationMeter
 from gpipe.schedule.auto import Plan, StageCosts, plan
 from gpipe.schedule.generate import make_schedule
-from gpipe.schedule.ir import Action, ActionKind, Schedule, validate
+from gpipe.schedule.ir import Action, ActionKind, Schedule, dependencies, validate
 
 Span = tuple[int, Action, int, int]
 """An executed action: (worker, action, start, end), in nanoseconds of ``time.perf_counter_ns``."""
@@ -101,8 +101,10 @@ class Planner:
         """Whether the next step at ``microbatches`` should meter activation memory for the plan."""
         return False
 
-    def observe(self, microbatches: int, events: Sequence[TraceEvent], meter: ActivationMeter | None) -> None:
-        """A step at ``microbatches`` ran: its trace, and its meter where it measured memory."""
+    def observe(
+        self, microbatches: int, schedule: Schedule, events: Sequence[TraceEvent], meter: ActivationMeter | None
+    ) -> None:
+        """A step at ``microbatches`` ran ``schedule``: its trace, and its meter where it measured memory."""
 
 
 class FixedPlanner(Planner):
@@ -181,7 +183,9 @@ class AutoPlanner(Planner):
     def _measuring(self, step: int) -> bool:
         return step in (1, 2) or step % self.options.replan_every == 0
 
-    def observe(self, microbatches: int, events: Sequence[TraceEvent], meter: ActivationMeter | None) -> None:
+    def observe(
+        self, microbatches: int, schedule: Schedule, events: Sequence[TraceEvent], meter: ActivationMeter | None
+    ) -> None:
         step = self.steps[microbatches] = self.steps.get(microbatches, 0) + 1
         if self.options.costs is not None or not self._measuring(step):
             return
@@ -189,7 +193,7 @@ class AutoPlanner(Planner):
         found = self.gather((self.replica, spans, dict(meter.stage_peak) if meter is not None else None))
         old = self.costs.get(microbatches)
         kinds = {(a.stage, a.kind) for _, spans, _ in found for _, a, _, _ in spans}
-        costs = self._merged(self._measured(found), kinds, old)
+        costs = self._merged(self._measured(found, schedule), kinds, old)
         if old is not None and old.memory is not None and costs.memory is not None:
             # the most bytes a micro-batch held: a split backward holds more than a fused one
             costs = dataclasses.replace(costs, memory=tuple(map(max, old.activation, costs.activation)))
@@ -198,7 +202,7 @@ class AutoPlanner(Planner):
             self.plans.pop(microbatches, None)
             self.replans += 1
 
-    def _measured(self, found: list[tuple[int, list[Span], dict[int, int] | None]]) -> StageCosts:
+    def _measured(self, found: list[tuple[int, list[Span], dict[int, int] | None]], schedule: Schedule) -> StageCosts:
         """Costs from every rank's (replica, spans, per-stage bytes): durations averaged over the
         replicas, hand-over waits taken within each replica (its ranks' clocks are compared)."""
         durations: dict[Action, list[float]] = {}
@@ -210,7 +214,7 @@ class AutoPlanner(Planner):
             by_replica.setdefault(replica, []).extend(spans)
             for s, b in (stage_peak or {}).items():
                 peaks[s] = max(peaks.get(s, 0), b)
-        waits = [w for spans in by_replica.values() for w in _handover_waits(spans, self.placement)]
+        waits = [w for spans in by_replica.values() for w in _handover_waits(spans, schedule)]
         mean = {a: sum(v) / len(v) for a, v in durations.items()}
         memory = None
         if self.cap is not None and self.cap[0] == "bytes" and peaks:
@@ -235,7 +239,7 @@ class AutoPlanner(Planner):
         )
 
 
-def _handover_waits(spans: Sequence[Span], placement: Sequence[int]) -> list[float]:
+def _handover_waits(spans: Sequence[Span], schedule: Schedule) -> list[float]:
     """For every action that needed an action of another worker and was held up by nothing else
     (its worker was idle when the other ended): how long after that end it started, in seconds."""
     where = {a: (w, start, end) for w, a, start, end in spans}
@@ -245,26 +249,16 @@ def _handover_waits(spans: Sequence[Span], placement: Sequence[int]) -> list[flo
         for (_, end, _), (_, _, a) in itertools.pairwise(mine):
             previous_end[a] = end
     waits = []
+    placement, present = schedule.placement, set(schedule)
     for a, (_, start, _) in where.items():
         if a.kind is ActionKind.BACKWARD_WEIGHT:
             continue
-        for d in _needs(a, len(placement), where):
+        for d in dependencies(a, schedule, present):
             if d in where and placement[d.stage] != placement[a.stage]:
                 _, _, produced = where[d]
                 if previous_end.get(a, 0) <= produced <= start:
                     waits.append((start - produced) / 1e9)
     return waits
-
-
-def _needs(action: Action, num_stages: int, present: dict[Action, Any]) -> tuple[Action, ...]:
-    """The actions of another stage whose results ``action`` consumes."""
-    m, s = action.microbatch, action.stage
-    if action.kind is ActionKind.FORWARD:
-        return (Action(ActionKind.FORWARD, m, s - 1),) if s > 0 else ()
-    if s == num_stages - 1:
-        return ()
-    split = Action(ActionKind.BACKWARD_INPUT, m, s + 1)
-    return (split if split in present else Action(ActionKind.BACKWARD, m, s + 1),)
 
 
 def mixed_backwards(schedule: Schedule) -> Schedule:
