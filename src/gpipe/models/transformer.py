@@ -108,6 +108,11 @@ class _Embedding(nn.Module):
         self.positions = nn.Embedding(max_len, dim)
         self.dropout = nn.Dropout(dropout)
         self.scale = math.sqrt(dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Token vectors of unit scale after the sqrt(dim) factor, like the position vectors.
+        nn.init.normal_(self.tokens.weight, std=self.scale**-1)
 
     def forward(self, tokens: Tensor) -> Tensor:  # (B, T) -> (B, T, D)
         positions = torch.arange(tokens.size(1), device=tokens.device)
