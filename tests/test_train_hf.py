@@ -116,7 +116,7 @@ def test_pairs_become_one_sequence_with_the_loss_on_the_target() -> None:
         (["--model", "hf", "--hf-config", "{configs}/small-vocab"],
          "vocab_size 40 is smaller than the data's vocabulary of 55 tokens; set vocab_size to 55 or more"),
         (["--model", "hf", "--hf-config", "{configs}/short"],
-         "8 positions (max_position_embeddings) are fewer than the data's sequence length of 16"),
+         "8 positions (max_position_embeddings) are fewer than the data's sequence length of 18"),
         (["--model", "hf", "--hf-config", "{configs}/bert"], "the 'bert' model of the config sees later tokens"),
         (["--model", "hf", "--hf-config", "{configs}/t5"], "is a 't5' config, which is not a causal language model"),
     ],

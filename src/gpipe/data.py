@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
+from gpipe.vocab import Vocab, read_pairs
 
 
 class DataBatch(Protocol):
@@ -140,54 +143,340 @@ class _Translation:
         return self.unigram_entropy()
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """One language pair's held-out sentences: what the model decodes and what BLEU compares with."""
+
+    name: str  # the pair, "en-de"
+    source: Tensor  # (n, S) token ids, padded
+    target_in: Tensor  # (n, T) the target shifted right, starting with the pair's tag
+    target_out: Tensor  # (n, T) the target, ending with EOS, padded
+    references: tuple[str, ...]  # the target sentences as text
+
+    @property
+    def start(self) -> Tensor:
+        """(n,) the decoder's first token of each sentence: the target language's tag."""
+        return self.target_in[:, 0]
+
+    def __len__(self) -> int:
+        return self.source.size(0)
+
+
+@runtime_checkable
+class TranslationDataset(TokenDataset, Protocol):
+    """Several language pairs, each with held-out sentences to translate and score."""
+
+    @property
+    def pair_sizes(self) -> dict[str, int]:
+        """Training sentence pairs of each language pair, by name (sorted)."""
+        ...
+
+    def held_out(self) -> dict[str, HeldOut]:
+        """Each pair's held-out sentences (the same on every call and in every process)."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of a decoded sentence's ids (its EOS and padding dropped)."""
+        ...
+
+
+def _padded(rows: Sequence[Sequence[int]]) -> Tensor:
+    """Rows of ids as one (n, longest) tensor, padded with PAD."""
+    longest = max(len(r) for r in rows)
+    return torch.tensor([[*r, *[PAD] * (longest - len(r))] for r in rows], dtype=torch.long)
+
+
+def _translation_batch(
+    sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], tags: Sequence[int]
+) -> TranslationBatch:
+    """A batch of encoded sentence pairs (each side ending with EOS), padded to its longest."""
+    return TranslationBatch(
+        source=_padded(sources),
+        target_in=_padded([[tag, *t[:-1]] for t, tag in zip(targets, tags)]),
+        target_out=_padded(targets),
+    )
+
+
 class SyntheticTranslation(_Translation):
-    """``pairs`` language pairs with ``sizes`` sentences each, over ``content`` content tokens."""
+    """Language pairs of ``sizes`` sentences each, over ``content`` content tokens: in pair p a
+    sentence of ``words`` tokens translates token by token through the pair's own permutation of
+    the content tokens; both sides end with EOS and the target starts with the pair's tag.
+
+    Pair p is named ``xs-y<letter>`` (``xs-ya`` the largest): one source language, a target
+    language per pair. Training draws from each pair's ``sizes[p]`` sentences; the held-out
+    sentences (``held_out`` per pair) are others. :meth:`write` writes the corpus as text files
+    (made-up words), the layout ``gpipe train --data DIR`` reads."""
 
     def __init__(
         self,
         *,
         sizes: tuple[int, ...] = (20000, 4000, 800, 150),
         content: int = 48,
-        length: int = 8,
+        words: int = 8,
         temperature: float = 5.0,
+        held_out: int = 64,
         seed: int = 0,
     ) -> None:
-        self.sizes, self.content, self.length, self.seed = sizes, content, length, seed
+        if not 1 <= len(sizes) <= 26 or min(sizes) < 1 or content < 2 or words < 1 or held_out < 1:
+            raise ValueError(
+                "SyntheticTranslation needs 1 to 26 pairs of at least one sentence, content >= 2, words >= 1 "
+                f"and held_out >= 1 (sizes: {sizes}, content: {content}, words: {words}, held_out: {held_out})"
+            )
+        self.sizes, self.content, self.words, self.seed = sizes, content, words, seed
+        self.held = held_out
         self.probabilities = temperature_sampling(sizes, temperature)
         g = torch.Generator().manual_seed(seed)
         self.first_content = 3 + len(sizes)  # PAD, BOS, EOS, then one tag per pair
         self.permutations = [torch.randperm(content, generator=g) for _ in sizes]
+        self.targets = [f"y{chr(ord('a') + p)}" for p in range(len(sizes))]
+        self.names = [f"xs-{t}" for t in self.targets]
 
     @property
     def vocab(self) -> int:
         return self.first_content + self.content
+
+    @property
+    def length(self) -> int:
+        """Tokens of a side: the words and EOS."""
+        return self.words + 1
+
+    @property
+    def pair_sizes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes))
 
     def unigram_entropy(self) -> float:
         """Entropy (nats) of the target tokens' unigram distribution: the loss of a model that
         ignores its input."""
         counts = Counter[int]()
         for step in range(20):
-            counts.update(self.batch(64, step, split="eval").target_out.flatten().tolist())
+            target = self.batch(64, step, split="eval").target_out
+            counts.update(target[target != PAD].tolist())
+        total = sum(counts.values())
+        return -sum(c / total * math.log(c / total) for c in counts.values())
+
+    def _sentence(self, pair: int, index: int) -> Tensor:
+        """Content tokens (0 .. content-1) of the pair's sentence ``index``: training sentences are
+        0 .. size-1, held-out ones size .. size+held_out-1."""
+        g = torch.Generator().manual_seed(derive_seed(self.seed, pair, index))
+        return torch.randint(0, self.content, (self.words,), generator=g)
+
+    def _encode(self, pairs: Sequence[int], indices: Sequence[int]) -> TranslationBatch:
+        sources, targets = [], []
+        for p, i in zip(pairs, indices):
+            sentence = self._sentence(p, i)
+            sources.append([*(sentence + self.first_content).tolist(), EOS])
+            targets.append([*(self.permutations[p][sentence] + self.first_content).tolist(), EOS])
+        return _translation_batch(sources, targets, [3 + p for p in pairs])
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
+        g = _generator(self.seed, split, step)
+        pairs = torch.multinomial(torch.tensor(self.probabilities), size, replacement=True, generator=g).tolist()
+        draws = torch.randint(0, 2**31 - 1, (size,), generator=g).tolist()
+        if split == "train":
+            indices = [d % self.sizes[p] for p, d in zip(pairs, draws)]
+        else:
+            indices = [self.sizes[p] + d % self.held for p, d in zip(pairs, draws)]
+        return self._encode(pairs, indices)
+
+    def held_out(self) -> dict[str, HeldOut]:
+        sets = {}
+        for p, name in enumerate(self.names):
+            indices = range(self.sizes[p], self.sizes[p] + self.held)
+            batch = self._encode([p] * self.held, indices)
+            references = tuple(self.detokenize(row) for row in batch.target_out.tolist())
+            sets[name] = HeldOut(name, batch.source, batch.target_in, batch.target_out, references)
+        return sets
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Content token c reads ``w<c>``; EOS ends the sentence, tags and padding read nothing."""
+        words = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i >= self.first_content:
+                words.append(f"w{i - self.first_content}")
+        return " ".join(words)
+
+    def write(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Write the corpus as text: ``xs-y?.tsv`` with each pair's training sentences and
+        ``eval/xs-y?.tsv`` with its held-out ones, in made-up words (every language its own
+        syllables; token c of language l always the same word). Returns the files written."""
+        root = Path(directory)
+        (root / "eval").mkdir(parents=True, exist_ok=True)
+        lexicon = {lang: _lexicon(lang, self.content, self.seed) for lang in ["xs", *self.targets]}
+        written = []
+        for p, name in enumerate(self.names):
+            for folder, indices in (
+                (root, range(self.sizes[p])),
+                (root / "eval", range(self.sizes[p], self.sizes[p] + self.held)),
+            ):
+                lines = []
+                for i in indices:
+                    sentence = self._sentence(p, i).tolist()
+                    source = " ".join(lexicon["xs"][c] for c in sentence)
+                    target = " ".join(lexicon[self.targets[p]][int(self.permutations[p][c])] for c in sentence)
+                    lines.append(f"{source}\t{target}\n")
+                path = folder / f"{name}.tsv"
+                path.write_text("".join(lines), encoding="utf-8")
+                written.append(path)
+        return written
+
+
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def _lexicon(lang: str, size: int, seed: int) -> list[str]:
+    """``size`` distinct made-up words of language ``lang``: two or three syllables (consonant,
+    vowel) from the language's own consonants."""
+    rng = random.Random(f"{seed}/{lang}")
+    consonants = rng.sample(_CONSONANTS, 7)
+    words: list[str] = []
+    while len(words) < size:
+        word = "".join(rng.choice(consonants) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
+        if word not in words:
+            words.append(word)
+    return words
+
+
+class ParallelCorpus(_Translation):
+    """Every language pair of a data directory (see :func:`gpipe.vocab.read_pairs` for the file
+    names), encoded with one shared SentencePiece :class:`~gpipe.vocab.Vocab`: each side's pieces
+    and EOS, the target starting with its language's tag ``<2xx>``.
+
+    Training batches draw a pair per sentence with temperature T (p_l ∝ (D_l/ΣD)^(1/T)), then one
+    of its sentences uniformly; pairs with a side longer than ``length`` tokens are left out of
+    training (:attr:`skipped` counts them). Held-out sentences per pair: the pair's file in
+    ``DIR/eval/`` if there is one (same naming), else a seeded ``min(held_out, D_l // 10)`` (at
+    least one) of its sentences, taken out of training; they are cut to ``length`` tokens for the
+    model, and their references stay whole."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        vocab: Vocab,
+        *,
+        length: int = 64,
+        temperature: float = 5.0,
+        held_out: int = 100,
+        seed: int = 0,
+    ) -> None:
+        if length < 2 or held_out < 1:
+            raise ValueError(
+                f"ParallelCorpus needs length >= 2 and held_out >= 1 (length: {length}, held_out: {held_out})"
+            )
+        root = Path(directory)
+        pairs = read_pairs(root)
+        given = read_pairs(root / "eval") if (root / "eval").is_dir() else {}
+        unknown = sorted(set(given) - set(pairs))
+        if unknown:
+            raise ValueError(
+                f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
+            )
+        self.vocab_model, self.length_cap, self.seed = vocab, length, seed
+        self.tags = {}
+        for name, pair in pairs.items():
+            try:
+                self.tags[name] = vocab.tag(pair.tgt)
+            except KeyError:
+                raise ValueError(
+                    f"the vocabulary {str(vocab.path)!r} has no tag <2{pair.tgt}> for pair {name}: train it on this "
+                    f"data (gpipe vocab --data {str(root)!r}, or leave --vocab out)"
+                ) from None
+        self.train: dict[str, list[tuple[list[int], list[int]]]] = {}
+        self.sets: dict[str, HeldOut] = {}
+        self.skipped: dict[str, int] = {}
+        for name, pair in pairs.items():
+            sources, targets = self._encode(pair.sources), self._encode(pair.targets)
+            rows = list(range(len(pair)))
+            if name in given:
+                held_pair = given[name]
+                held_sources, held_targets = self._encode(held_pair.sources), self._encode(held_pair.targets)
+                references = held_pair.targets
+            else:
+                if len(pair) < 2:
+                    raise ValueError(
+                        f"pair {name} has {len(pair)} sentence pair: too few to hold some out for evaluation; give "
+                        f"more, or its held-out sentences in {str(root / 'eval' / (name + '.tsv'))!r}"
+                    )
+                count = min(held_out, max(len(pair) // 10, 1))
+                held = sorted(random.Random(derive_seed(seed, 9, len(self.sets))).sample(rows, count))
+                rows = sorted(set(rows) - set(held))
+                held_sources, held_targets = [sources[i] for i in held], [targets[i] for i in held]
+                references = tuple(pair.targets[i] for i in held)
+            kept = [(sources[i], targets[i]) for i in rows if len(sources[i]) <= length and len(targets[i]) <= length]
+            self.skipped[name] = len(rows) - len(kept)
+            if not kept:
+                raise ValueError(
+                    f"pair {name}: every training sentence pair has a side longer than {length} tokens; raise the "
+                    "length (--max-length)"
+                )
+            self.train[name] = kept
+            tag = self.tags[name]
+            batch = _translation_batch(
+                [self._cut(s) for s in held_sources], [self._cut(t) for t in held_targets], [tag] * len(held_sources)
+            )
+            self.sets[name] = HeldOut(name, batch.source, batch.target_in, batch.target_out, tuple(references))
+        self.names = sorted(self.train)
+        self.probabilities = temperature_sampling([len(self.train[n]) for n in self.names], temperature)
+
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[*ids, EOS] for ids in self.vocab_model.encode_lines(texts)]
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        return ids if len(ids) <= self.length_cap else [*ids[: self.length_cap - 1], EOS]
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_model.size
+
+    @property
+    def length(self) -> int:
+        """The most tokens of a side (EOS included)."""
+        return self.length_cap
+
+    @property
+    def pair_sizes(self) -> dict[str, int]:
+        return {n: len(self.train[n]) for n in self.names}
+
+    def unigram_entropy(self) -> float:
+        counts = Counter[int]()
+        for step in range(20):
+            target = self.batch(64, step).target_out
+            counts.update(target[target != PAD].tolist())
         total = sum(counts.values())
         return -sum(c / total * math.log(c / total) for c in counts.values())
 
     def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
         g = _generator(self.seed, split, step)
-        pairs = torch.multinomial(torch.tensor(self.probabilities), size, replacement=True, generator=g)
-        # a sentence is one of the pair's `size` sentences: its index seeds its tokens
-        sentence = torch.randint(0, 2**31 - 1, (size,), generator=g)
-        src = torch.empty(size, self.length, dtype=torch.long)
-        for i, (p, s) in enumerate(zip(pairs.tolist(), sentence.tolist())):
-            sentence_generator = torch.Generator().manual_seed(derive_seed(self.seed, p, s % self.sizes[p]))
-            src[i] = torch.randint(0, self.content, (self.length,), generator=sentence_generator)
-        tgt = torch.stack([self.permutations[p][row] for p, row in zip(pairs.tolist(), src)])
-        tag = (3 + pairs).unsqueeze(1)
-        target = tgt + self.first_content
-        return TranslationBatch(
-            source=src + self.first_content,
-            target_in=torch.cat([tag, target[:, :-1]], dim=1),
-            target_out=target,
-        )
+        chosen = torch.multinomial(torch.tensor(self.probabilities), size, replacement=True, generator=g).tolist()
+        draws = torch.randint(0, 2**31 - 1, (size,), generator=g).tolist()
+        sources, targets, tags = [], [], []
+        for p, d in zip(chosen, draws):
+            name = self.names[p]
+            if split == "train":
+                source, target = self.train[name][d % len(self.train[name])]
+            else:
+                held = self.sets[name]
+                i = d % len(held)
+                source, target = _unpadded(held.source[i]), _unpadded(held.target_out[i])
+            sources.append(source)
+            targets.append(target)
+            tags.append(self.tags[name])
+        return _translation_batch(sources, targets, tags)
+
+    def held_out(self) -> dict[str, HeldOut]:
+        return dict(self.sets)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if EOS in ids:
+            ids = ids[: ids.index(EOS)]
+        return self.vocab_model.decode(ids)
+
+
+def _unpadded(row: Tensor) -> list[int]:
+    ids: list[int] = row.tolist()
+    return ids[: ids.index(EOS) + 1] if EOS in ids else [i for i in ids if i != PAD]
 
 
 class TextPairs(_Translation):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import pickle
 import queue
@@ -693,11 +694,19 @@ class Collectives:
         """The mini-batch loss on every rank, from the last stage's (summed over the replicas)."""
         return self.from_last_stage(value)
 
-    def from_last_stage(self, value: Tensor | None) -> Tensor:
-        """A scalar known where the last stage is (``None`` elsewhere), on every rank."""
+    def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
+        """A float tensor of ``shape`` known where the last stage is (``None`` elsewhere), on every
+        rank, as float32."""
         if value is None:
             raise ValueError("the last stage runs in this process but gave no value")
-        return value
+        return _shaped(value, shape).float()
+
+
+def _shaped(value: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``value`` (detached) as ``shape``, which must hold as many elements."""
+    if value.numel() != math.prod(shape):
+        raise ValueError(f"from_last_stage: a value of shape {tuple(value.shape)} where {shape} was announced")
+    return value.detach().reshape(shape)
 
 
 class RankCollectives(Collectives):
@@ -758,11 +767,11 @@ class RankCollectives(Collectives):
             value = value[0]
         return self.from_last_stage(value)
 
-    def from_last_stage(self, value: Tensor | None) -> Tensor:
-        buf = torch.zeros(1, device=self._comm_device)
+    def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
+        buf = torch.zeros(shape, device=self._comm_device)
         if value is not None:
-            buf.copy_(value.detach().reshape(1))
+            buf.copy_(_shaped(value, shape))
         last = self.placement.rank_of(self.placement.num_stages - 1)
         with collective(f"broadcast from the last stage's rank {last}", self.pp_group):
             dist.broadcast(buf, src=last, group=self.pp_group)
-            return buf[0].to(self.device)
+            return buf.to(self.device)

@@ -176,9 +176,10 @@ class Pipeline(nn.Module):
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)
 
-    def from_last_stage(self, value: Tensor | None) -> Tensor:
-        """A scalar known where the last stage runs (``None`` elsewhere), on every rank."""
-        return self.engine.comm.from_last_stage(value)
+    def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
+        """A float tensor of ``shape`` (a scalar by default) known where the last stage runs
+        (``None`` elsewhere), on every rank, as float32."""
+        return self.engine.comm.from_last_stage(value, shape)
 
     def forward(self, inputs: Any) -> Any:
         """The forwards only, without autograd, for evaluation; returns the gathered output (under

@@ -2,6 +2,7 @@
 pipeline parallelism, on the local devices or under torchrun with the same flags.
 
     gpipe train                                   # the default: a small T(2, 256, 4) on synthetic data
+    gpipe train --data corpus/                    # every language pair of a folder of parallel files (BLEU per pair)
     gpipe train --model amoebanet                 # a small AmoebaNet-D(6, 16) on synthetic 32x32 images
     gpipe train --model amoebanet --data cifar.npz --layers 18 --filters 64
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
@@ -10,8 +11,9 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --config run.toml --resume        # continue exactly where the last checkpoint left off
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
 
-Every ``--eval-every`` steps it evaluates; metrics go to ``OUT/metrics.jsonl`` and the loss curve to
-``OUT/loss.png``; a checkpoint is written every ``--checkpoint-every`` steps, at the end, and on
+Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair, see
+:mod:`gpipe.evaluation`); metrics go to ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and
+the curves to ``OUT/loss.png``; a checkpoint is written every ``--checkpoint-every`` steps, at the end, and on
 Ctrl-C. Batches and dropout are a pure function of (seed, step), so ``--resume`` reproduces the
 uninterrupted run's losses exactly.
 """
@@ -28,6 +30,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -49,11 +52,15 @@ from gpipe.data import (
     Dataset,
     ImageDataset,
     ImageFiles,
+    ParallelCorpus,
     SyntheticImages,
     SyntheticTranslation,
     TextPairs,
     TokenDataset,
+    TranslationDataset,
 )
+from gpipe.distributed import init_from_env
+from gpipe.evaluation import evaluate, resource_groups
 from gpipe.models import amoebanet_d, hf, transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import (
@@ -68,12 +75,12 @@ from gpipe.rng import derive_seed
 from gpipe.saving import CheckpointError, latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 from gpipe.sequential import to_sequential
+from gpipe.vocab import Vocab, read_pairs, train_vocab
 
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
 TENSORBOARD_MODES = ("auto", "on", "off")
-SCALARS = ("loss", "lr", "bubble", "eval_loss", "eval_accuracy")  # and the throughput, tokens/images per s
 
 
 def _has_tensorboard() -> bool:
@@ -146,6 +153,7 @@ _RANGES = {
     "logit_clip": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
     "dropout": (_probability, "in [0, 1)"),
     "label_smoothing": (_probability, "in [0, 1)"),
+    "length_penalty": (_nonnegative, "a finite number >= 0"),
 }
 
 
@@ -199,17 +207,39 @@ class TrainConfig:
     warmup: int = field(default=30, metadata={"help": "warm-up steps of the inverse-sqrt schedule"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
     clip_norm: float = field(default=1.0, metadata={"help": "per-parameter gradient-norm clipping (0: none)"})
-    temperature: float = field(default=5.0, metadata={"help": "T of the language-pair sampling"})
+    temperature: float = field(
+        default=5.0, metadata={"help": "T of the language-pair sampling (training batches and the vocabulary)"}
+    )
     data: str = field(
         default="",
         metadata={
-            "help": "transformer: a file of source<TAB>target lines; amoebanet: a .npz (x, y) or a folder "
-            "of class sub-folders of images; hf: source<TAB>target lines, or text, a document a line "
-            "(default: synthetic data)"
+            "help": "transformer: a folder of parallel files, one per language pair (xx-yy.tsv, or xx-yy.xx + "
+            "xx-yy.yy; held-out ones in its eval/ folder), or one file of source<TAB>target lines; amoebanet: a "
+            ".npz (x, y) or a folder of class sub-folders of images; hf: source<TAB>target lines, or text, a "
+            "document a line (default: synthetic data)"
         },
     )
+    vocab: str = field(
+        default="",
+        metadata={
+            "help": "--data FOLDER: a SentencePiece model to use ('': OUT/vocab.model, trained on the first run "
+            "from text sampled at --temperature)"
+        },
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "--data FOLDER: pieces of the vocabulary trained"})
+    max_length: int = field(
+        default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
+    )
     eval_every: int = field(default=50, metadata={"help": "evaluate every N steps"})
-    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation"})
+    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation (not translation: see below)"})
+    eval_sentences: int = field(
+        default=100,
+        metadata={"help": "--data FOLDER: held-out sentences per pair without a file in FOLDER/eval"},
+    )
+    beam: int = field(default=1, metadata={"help": "translation: beam size of evaluation's decoding (1: greedy)"})
+    length_penalty: float = field(
+        default=0.6, metadata={"help": "translation: alpha of beam search's length penalty ((5 + len) / 6) ** alpha"}
+    )
     checkpoint_every: int = field(default=100, metadata={"help": "write a checkpoint every N steps"})
     out: str = field(default="runs/default", metadata={"help": "output directory"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
@@ -253,13 +283,16 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "chunks", "batch", "steps",
-                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every")  # fmt: skip
+                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every", "vocab_size",
+                    "eval_sentences", "beam")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
         for name, (ok, requirement) in _RANGES.items():
             if not ok(getattr(self, name)):  # (NaN fails every comparison)
                 raise ConfigError(f"--{_flag(name)} must be {requirement} (got {getattr(self, name)})")
+        if self.max_length < 2:
+            raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
         if self.classes < 2:
@@ -318,11 +351,30 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
+    @property
+    def parallel_folder(self) -> bool:
+        """Whether the data is a folder of parallel files: many language pairs, a shared vocabulary."""
+        return self.model == "transformer" and bool(self.data) and Path(self.data).is_dir()
+
+    def vocab_path(self) -> Path:
+        """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``."""
+        return Path(self.vocab) if self.vocab else Path(self.out) / "vocab.model"
+
     def _check_paths(self) -> None:
         if self.data and not Path(self.data).exists():
             raise ConfigError(
                 f"cannot read the data file {self.data!r}: there is no such file or folder "
                 "(leave --data out for synthetic data)"
+            )
+        if self.vocab and not self.parallel_folder:
+            raise ConfigError(
+                f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
+                "leave --vocab out"
+            )
+        if self.vocab and not Path(self.vocab).is_file():
+            raise ConfigError(
+                f"--vocab {self.vocab!r}: no such file; give a SentencePiece .model (gpipe vocab makes one), or "
+                "leave --vocab out to train one on the data"
             )
         out = Path(self.out)
         if out.exists() and not out.is_dir():
@@ -472,6 +524,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     try:
         data = _data(cfg)
+    except ConfigError:
+        raise
     except ValueError as exc:
         if not cfg.data:
             raise  # synthetic data: the settings were checked, so this is a bug
@@ -484,7 +538,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
     if cfg.model == "hf":  # its last layer returns the model's ModelOutput
         loss_fn = functools.partial(hf.logits_loss, loss_fn)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = init_from_env()
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
         model,
@@ -513,6 +567,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     bar = _progress(cfg, start)
     board = _board(cfg, out, start)
     last: dict[str, Any] = {}
+    shown: dict[str, str] = {}  # the latest evaluation, in the progress bar
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
     interrupts = Interrupts()
     try:
@@ -539,25 +594,38 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     "bubble": bubble,
                 }
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    last.update(evaluate(pipe, data, cfg, loss_fn))
+                    last.update(
+                        evaluate(
+                            pipe,
+                            data,
+                            loss_fn,
+                            batch=cfg.batch,
+                            batches=cfg.eval_batches,
+                            beam=cfg.beam,
+                            length_penalty=cfg.length_penalty,
+                        )
+                    )
+                    shown = {"eval": f"{last['eval_loss']:.3f}"}
+                    if "bleu" in last:
+                        shown["bleu"] = f"{last['bleu']:.1f}"
                 if _rank() == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
                 if board is not None:
-                    for name in (*SCALARS, rate):
-                        if name in last:
-                            board.add_scalar(name, last[name], step)
+                    for name, value in last.items():
+                        if name != "step":
+                            board.add_scalar(name, value, step)
                 if bar is not None:
                     speed = {f"{data.unit[:3]}_s": f"{last[rate]:.0f}"}
-                    bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}")
+                    bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **shown)
                     bar.update(1)
             if step % cfg.checkpoint_every == 0:
-                _save(cfg, pipe, optimizer, scheduler, out, step)
+                _save(cfg, pipe, optimizer, scheduler, out, step, data)
     except KeyboardInterrupt:
         interrupts.restore()
         if bar is not None:
             bar.close()
-        _save(cfg, pipe, optimizer, scheduler, out, done)
+        _save(cfg, pipe, optimizer, scheduler, out, done, data)
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
         raise
     finally:
@@ -566,16 +634,35 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             board.close()
     if bar is not None:
         bar.close()
-    _save(cfg, pipe, optimizer, scheduler, out, done)
+    _save(cfg, pipe, optimizer, scheduler, out, done, data)
     if _rank() == 0:
         _plot(metrics_path, out / "loss.png", baseline, data.baseline_name)
         nan = float("nan")
         accuracy = f", eval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
+        bleu = f", BLEU {last['bleu']:.1f}" if "bleu" in last else ""
         print(
-            f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f}{accuracy} "
-            f"({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curve in {out / 'loss.png'}"
+            f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f}{accuracy}"
+            f"{bleu} ({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curves in "
+            f"{out / 'loss.png'}"
         )
+        if isinstance(data, TranslationDataset) and "bleu" in last:
+            print(_bleu_table(last, data.pair_sizes))
     return {**last, "baseline": baseline}
+
+
+def _bleu_table(metrics: dict[str, Any], sizes: dict[str, int]) -> str:
+    """The final evaluation per language pair: training sentences, group, eval loss, BLEU."""
+    groups = resource_groups(sizes)
+    lines = [f"{'pair':<12} {'sentences':>10} {'group':<5} {'eval loss':>9} {'BLEU':>6}"]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        lines.append(
+            f"{name:<12} {sizes[name]:>10} {groups[name]:<5} {metrics[f'eval_loss/{name}']:>9.3f} "
+            f"{metrics[f'bleu/{name}']:>6.1f}"
+        )
+    for group in ("high", "low"):
+        if f"bleu/{group}" in metrics:
+            lines.append(f"{'average ' + group:<29} {'':>9} {metrics[f'bleu/{group}']:>6.1f}")
+    return "\n".join(lines)
 
 
 def _data(cfg: TrainConfig) -> Dataset:
@@ -587,6 +674,9 @@ def _data(cfg: TrainConfig) -> Dataset:
         if cfg.data:
             return ImageFiles(cfg.data, size=cfg.image_size, seed=cfg.seed)
         return SyntheticImages(classes=cfg.classes, size=cfg.image_size, seed=cfg.seed)
+    if cfg.parallel_folder:
+        return ParallelCorpus(cfg.data, _vocab(cfg), length=cfg.max_length, temperature=cfg.temperature,
+                              held_out=cfg.eval_sentences, seed=cfg.seed)  # fmt: skip
     if cfg.data:
         return TextPairs(cfg.data, seed=cfg.seed)
     return SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed)
@@ -601,9 +691,59 @@ def _model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
             data = _images(data)
             return amoebanet_d(cfg.depth, cfg.filters, classes=data.classes, in_channels=data.channels,
                                stem_cells=cfg.stem_cells)  # fmt: skip
-        vocab = _tokens(data).vocab
-        return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=64,
-                           dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
+        tokens = _tokens(data)
+        return translation_model(cfg, tokens.vocab, tokens.length)
+
+
+def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Sequential:
+    """The transformer ``cfg`` describes, for ``vocab`` tokens and sentences of up to ``length``
+    (positions: at least 64). ``gpipe translate`` rebuilds a checkpoint's model with it."""
+    return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=max(64, length),
+                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
+
+
+def _vocab(cfg: TrainConfig) -> Vocab:
+    """``--data FOLDER``'s shared vocabulary: ``--vocab``, or ``OUT/vocab.model``, trained by rank 0
+    on the first run (from ``min(10^6, sentence pairs)`` draws at ``--temperature``) and written
+    whole or not at all."""
+    path = cfg.vocab_path()
+    if not path.exists():
+        if cfg.resume:
+            raise ConfigError(f"--resume: the run's vocabulary {str(path)!r} is missing; restore it, or start afresh")
+        error = None
+        if _rank() == 0:
+            try:
+                _train_vocab(cfg, path)
+            except ValueError as exc:
+                error = f"--data {cfg.data!r}: {exc}"
+        if dist.is_initialized():
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise ConfigError(error)
+    try:
+        return Vocab(path)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; give a SentencePiece .model as --vocab") from exc
+
+
+def _train_vocab(cfg: TrainConfig, path: Path) -> None:
+    pairs = read_pairs(cfg.data)
+    draws = min(1_000_000, sum(len(p) for p in pairs.values()))
+    print(f"training a vocabulary of {cfg.vocab_size} pieces on {draws} sentence pairs of {cfg.data} "
+          f"(T={cfg.temperature:g}) into {path}", file=sys.stderr)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.stem}.tmp-{os.getpid()}"
+    try:
+        model = train_vocab(pairs, staging, size=cfg.vocab_size, temperature=cfg.temperature, sample=draws,
+                            seed=cfg.seed)  # fmt: skip
+        os.replace(f"{staging}.vocab", path.with_suffix(".vocab"))
+        os.replace(model, path)  # last: a complete vocabulary appears at once
+    finally:
+        for leftover in (f"{staging}.vocab", f"{staging}.model"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)
 
 
 def _tokens(data: Dataset) -> TokenDataset:
@@ -638,26 +778,6 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     return to_sequential(model, data.batch(2, 0, split="eval").inputs)
 
 
-@torch.no_grad()
-def evaluate(pipe: Pipeline, data: Dataset, cfg: TrainConfig, loss_fn: Any) -> dict[str, float]:
-    """The mean loss over ``cfg.eval_batches`` held-out batches (and the accuracy, for images)."""
-    pipe.eval()
-    images = data.unit == "images"
-    losses, correct = [], []
-    for i in range(cfg.eval_batches):
-        batch = data.batch(cfg.batch, i, split="eval")
-        logits = pipe(batch.inputs)  # on the last stage's rank only, under torch.distributed
-        if logits is not None:
-            losses.append(loss_fn(logits, batch.target))
-            if images:
-                correct.append((logits.argmax(-1) == batch.target).float().mean())
-    pipe.train()
-    result = {"eval_loss": float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))}
-    if images:
-        result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
-    return result
-
-
 def _board(cfg: TrainConfig, out: Path, start: int) -> Any:
     """TensorBoard's writer of OUT/tensorboard on rank 0 (None when off, or auto without the package).
     A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does."""
@@ -681,13 +801,27 @@ def _state_path(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step-{step:08d}" / f"optimizer-rank{_rank()}.pt"
 
 
-def _save(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, step: int) -> None:
+RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
+
+
+def _save(
+    cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, step: int, data: Dataset
+) -> None:
     if step < 1:
         return
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "partitions": cfg.partitions}
     # The optimizer state goes into the step's new folder with the weights: both appear at once.
-    name = _state_path(out, step).name
-    save(pipe, out / "checkpoints", step, extra={name: lambda p: torch.save(state, p)})
+    extra: dict[str, Any] = {_state_path(out, step).name: lambda p: torch.save(state, p)}
+    if _rank() == 0:  # what `gpipe translate` rebuilds the model from, beside its weights
+        run: dict[str, Any] = {"config": dataclasses.asdict(cfg), "data": type(data).__name__}
+        if isinstance(data, TokenDataset):
+            run |= {"vocab": data.vocab, "length": data.length}
+        if isinstance(data, TranslationDataset):
+            run["pairs"] = data.pair_sizes
+        extra[RUN] = lambda p: p.write_text(json.dumps(run, indent=1) + "\n")
+        if isinstance(data, ParallelCorpus):
+            extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
+    save(pipe, out / "checkpoints", step, extra=extra)
 
 
 def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path) -> int:
@@ -766,20 +900,35 @@ class Interrupts:
 
 
 def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:
+    """The loss curves, and BLEU per language pair beside them when there is any."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
     evals = [r for r in rows if "eval_loss" in r]
+    pairs = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("bleu/")} - {"high", "low"})
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     ax.axhline(baseline, color="gray", ls="--", label=f"{baseline_name} {baseline:.2f}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
     ax.legend()
+    if pairs:
+        ax = axes[0][1]
+        for name in pairs:
+            points = [(r["step"], r[f"bleu/{name}"]) for r in evals if f"bleu/{name}" in r]
+            ax.plot(*zip(*points), "o-", label=name, lw=1, ms=3)
+        for group, style in (("high", "--"), ("low", ":")):
+            points = [(r["step"], r[f"bleu/{group}"]) for r in evals if f"bleu/{group}" in r]
+            if points:
+                ax.plot(*zip(*points), style, color="black", label=f"{group}-resource mean")
+        ax.set_xlabel("step")
+        ax.set_ylabel("BLEU")
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

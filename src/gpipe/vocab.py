@@ -335,6 +335,10 @@ class Vocab:
         """The ids of ``text``'s pieces (after SentencePiece's NFKC normalization)."""
         return [int(i) for i in self._sp.encode(text, add_bos=add_bos, add_eos=add_eos)]
 
+    def encode_lines(self, texts: Iterable[str]) -> list[list[int]]:
+        """The ids of many texts at once (as :meth:`encode` of each, without bos or eos)."""
+        return [[int(i) for i in ids] for ids in self._sp.encode(list(texts))]
+
     def pieces(self, text: str) -> list[str]:
         """``text``'s pieces, as strings."""
         return [str(p) for p in self._sp.encode(text, out_type=str)]

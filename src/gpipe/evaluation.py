@@ -1,0 +1,151 @@
+"""Evaluation of a pipeline on held-out data: the loss, and for translation BLEU per language pair.
+
+:func:`evaluate` is what ``gpipe train`` runs every ``--eval-every`` steps:
+
+- any data set: the mean loss over ``batches`` held-out batches (and the accuracy, for images);
+- a :class:`~gpipe.data.TranslationDataset` (several language pairs, each with held-out sentences):
+  per pair, the token-mean loss of its held-out sentences and the BLEU (sacrebleu's corpus BLEU,
+  its default 13a tokenization) of their translations, decoded through the pipeline's stages —
+  greedy, or beam search with ``beam`` > 1 (:mod:`gpipe.decode`). Averages: ``eval_loss`` and
+  ``bleu`` over all pairs (each pair counts once, as in the paper's plots), ``bleu/high`` and
+  ``bleu/low`` over the high- and low-resource halves (:func:`resource_groups`).
+
+Metric names are those of ``OUT/metrics.jsonl`` and TensorBoard: ``eval_loss``,
+``eval_loss/<pair>``, ``bleu``, ``bleu/<pair>``, ``bleu/high``, ``bleu/low``.
+
+Under torch.distributed every rank of the pipeline calls it alike and gets the same numbers: the
+last stage's rank computes the losses and chooses the tokens, and shares them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
+from gpipe.decode import beam_search, greedy
+from gpipe.pipeline import Pipeline
+
+__all__ = ["bleu", "evaluate", "resource_groups", "translate_held_out"]
+
+Loss = Callable[..., Tensor]
+
+
+def resource_groups(sizes: Mapping[str, int]) -> dict[str, str]:
+    """Each pair's group: ``'high'`` for the larger half of the pairs by training sentences (the
+    middle one of an odd count too), ``'low'`` for the rest; ties go by name. One pair is high."""
+    ranked = sorted(sizes, key=lambda name: (-sizes[name], name))
+    high = math.ceil(len(ranked) / 2)
+    return {name: "high" if i < high else "low" for i, name in enumerate(ranked)}
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+    """Corpus BLEU (0 to 100) of ``hypotheses`` against one reference each, by sacrebleu."""
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+def translate_held_out(
+    model: Any,
+    held: HeldOut,
+    detokenize: Callable[[list[int]], str],
+    *,
+    batch: int,
+    max_len: int,
+    beam: int = 1,
+    length_penalty: float = 0.6,
+) -> list[str]:
+    """The translations of ``held``'s sentences, ``batch`` at a time, as text."""
+    texts: list[str] = []
+    for first in range(0, len(held), batch):
+        source, start = held.source[first : first + batch], held.start[first : first + batch]
+        if beam == 1:
+            ids = greedy(model, source, start, max_len=max_len)
+        else:
+            ids = beam_search(model, source, start, beam=beam, max_len=max_len, length_penalty=length_penalty)
+        texts += [detokenize(row) for row in ids.tolist()]
+    return texts
+
+
+@torch.no_grad()
+def evaluate(
+    pipe: Pipeline,
+    data: Dataset,
+    loss_fn: Loss,
+    *,
+    batch: int,
+    batches: int = 4,
+    beam: int = 1,
+    length_penalty: float = 0.6,
+) -> dict[str, float]:
+    """The held-out metrics of ``pipe`` on ``data`` (see the module's docstring). ``loss_fn(logits,
+    target, reduction=...)``: the training loss; ``batch``: sentences or images per forward."""
+    pipe.eval()
+    try:
+        if isinstance(data, TranslationDataset):
+            return _translation(pipe, data, loss_fn, batch=batch, beam=beam, length_penalty=length_penalty)
+        return _batches(pipe, data, loss_fn, batch=batch, batches=batches)
+    finally:
+        pipe.train()
+
+
+def _batches(pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batches: int) -> dict[str, float]:
+    images = data.unit == "images"
+    losses, correct = [], []
+    for i in range(batches):
+        held = data.batch(batch, i, split="eval")
+        logits = pipe(held.inputs)  # on the last stage's rank only, under torch.distributed
+        if logits is not None:
+            losses.append(loss_fn(logits, held.target))
+            if images:
+                correct.append((logits.argmax(-1) == held.target).float().mean())
+    result = {"eval_loss": float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))}
+    if images:
+        result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
+    return result
+
+
+def _translation(
+    pipe: Pipeline, data: TranslationDataset, loss_fn: Loss, *, batch: int, beam: int, length_penalty: float
+) -> dict[str, float]:
+    sets = data.held_out()
+    names = sorted(sets)
+    means: list[Tensor] = []  # per pair: the token-mean loss, on the last stage's rank
+    last = False
+    for name in names:
+        held = sets[name]
+        total, tokens = torch.zeros(()), 0
+        for first in range(0, len(held), batch):
+            rows = slice(first, first + batch)
+            logits = pipe((held.source[rows], held.target_in[rows]))
+            if logits is not None:  # (the last stage's rank)
+                last = True
+                target = held.target_out[rows]
+                total += loss_fn(logits, target, reduction="sum").float()
+                tokens += int((target != PAD).sum())
+        means.append(total / max(tokens, 1))
+    shared = pipe.from_last_stage(torch.stack(means) if last else None, (len(names),))
+    result: dict[str, float] = {}
+    groups = resource_groups(data.pair_sizes)
+    scores: dict[str, float] = {}
+    for i, name in enumerate(names):
+        result[f"eval_loss/{name}"] = float(shared[i])
+        held = sets[name]
+        hypotheses = translate_held_out(
+            pipe, held, data.detokenize, batch=batch, max_len=data.length, beam=beam, length_penalty=length_penalty
+        )
+        scores[name] = result[f"bleu/{name}"] = bleu(hypotheses, list(held.references))
+    result["eval_loss"] = sum(result[f"eval_loss/{n}"] for n in names) / len(names)
+    result["bleu"] = sum(scores.values()) / len(scores)
+    for group in ("high", "low"):
+        members = [scores[n] for n in names if groups.get(n) == group]
+        if members:
+            result[f"bleu/{group}"] = sum(members) / len(members)
+    return result
