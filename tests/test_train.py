@@ -22,12 +22,20 @@ def quick(out: Path, **kwargs: Any) -> TrainConfig:
     return TrainConfig(out=str(out), progress=False, **kwargs)
 
 
-def test_learns_below_the_unigram_baseline_and_is_the_same_for_one_and_two_stages(tmp_path: Path) -> None:
+def test_learns_to_translate_every_pair_and_is_the_same_for_one_and_two_stages(tmp_path: Path) -> None:
     two = train(quick(tmp_path / "k2", steps=200, partitions=2, eval_every=100))
     one = train(quick(tmp_path / "k1", steps=200, partitions=1, eval_every=100))
+    untrained = train(quick(tmp_path / "k0", steps=1, lr=1e-12, eval_every=1))  # (one update of 1e-12)
     assert losses(tmp_path / "k1") == losses(tmp_path / "k2")  # bitwise: the same floats
     assert two["eval_loss"] < two["baseline"] - 0.5, (two["eval_loss"], two["baseline"])
-    assert one["eval_loss"] == two["eval_loss"]
+    same = [k for k in two if k not in ("tokens_per_s", "bubble")]
+    assert {k: one[k] for k in same} == {k: two[k] for k in same}
+    pairs = ["xs-ya", "xs-yb", "xs-yc", "xs-yd"]  # 20000, 4000, 800 and 150 sentence pairs
+    for pair in pairs:
+        assert two[f"bleu/{pair}"] > 30, (pair, two)
+        assert two[f"bleu/{pair}"] > untrained[f"bleu/{pair}"] + 5, (pair, two, untrained)
+    assert two["bleu/high"] == (two["bleu/xs-ya"] + two["bleu/xs-yb"]) / 2
+    assert two["bleu/low"] == (two["bleu/xs-yc"] + two["bleu/xs-yd"]) / 2
     assert (tmp_path / "k2" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -107,8 +115,19 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path: Path) -> None:
     train(quick(tmp_path / "run", steps=6, eval_every=3))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     scalars = _scalars(tmp_path / "run")
-    assert {"loss", "lr", "bubble", "eval_loss", "tokens_per_s"} <= scalars.keys()
-    for tag in ("loss", "lr", "tokens_per_s", "eval_loss"):
+    pairs = [f"{kind}/xs-y{p}" for kind in ("bleu", "eval_loss") for p in "abcd"]
+    assert {
+        "loss",
+        "lr",
+        "bubble",
+        "eval_loss",
+        "tokens_per_s",
+        "bleu",
+        "bleu/high",
+        "bleu/low",
+        *pairs,
+    } <= scalars.keys()
+    for tag in ("loss", "lr", "tokens_per_s", "eval_loss", "bleu", "bleu/low", *pairs):
         expected = [(r["step"], r[tag]) for r in rows if tag in r]
         assert [s for s, _ in scalars[tag]] == [s for s, _ in expected], tag
         assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in expected], rel=1e-6), tag

@@ -14,6 +14,12 @@ schedule's bubble and peak in-flight activations and draws its timeline.
 ``gpipe vocab --data DIR --size N`` trains one SentencePiece vocabulary for every language pair in DIR,
 on text sampled with temperature T=5 (see :mod:`gpipe.vocab`).
 
+``gpipe corpus --out DIR`` writes the built-in synthetic multilingual corpus as parallel text files
+(the layout ``gpipe train --data DIR`` reads), to try the translation workflow without data.
+
+``gpipe translate --checkpoint RUN`` translates sentences with a checkpoint of ``gpipe train --data
+DIR`` (see :mod:`gpipe.translate`).
+
 ``gpipe schedule --auto --stages 4 --chunks 8 --costs F=1,I=1,W=2,transfer=0.1 [--memory-cap 4]`` prints
 the schedule the cost-adaptive scheduler picks for those costs (see :mod:`gpipe.schedule.auto`), why
 (every candidate's step time, peak memory and whether it fits the cap), and draws its timeline.
@@ -170,7 +176,13 @@ def schedule(args: argparse.Namespace) -> int:
 
 
 def auto(args: argparse.Namespace) -> int:
-    """``gpipe schedule --auto``: what the cost-adaptive scheduler picks for uniform costs, and why."""
+    """``gpipe corpus --out DIR`` writes the built-in synthetic multilingual corpus as parallel text files
+    (the layout ``gpipe train --data DIR`` reads), to try the translation workflow without data.
+
+    ``gpipe translate --checkpoint RUN`` translates sentences with a checkpoint of ``gpipe train --data
+    DIR`` (see :mod:`gpipe.translate`).
+
+    ``gpipe schedule --auto``: what the cost-adaptive scheduler picks for uniform costs, and why."""
     given = args.costs
     split = {"I", "W"} & given.keys()
     # B alone: a fused backward was measured; split it half and half (StageCosts.from_trace's default).
@@ -270,6 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sample", type=int, default=1_000_000, help="sentence pairs drawn to train on (default: 1e6)")
     v.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     v.set_defaults(func=vocab)
+    c = sub.add_parser("corpus", help="write the built-in synthetic multilingual corpus as parallel text files")
+    c.add_argument("--out", required=True, help="the folder to write (created if missing)")
+    c.add_argument("--sizes", type=_sizes, default=(20000, 4000, 800, 150),
+                   help="sentence pairs of each language pair (default: 20000,4000,800,150)")  # fmt: skip
+    c.add_argument(
+        "--held-out", type=int, default=64, help="held-out sentence pairs per pair, in OUT/eval (default: 64)"
+    )
+    c.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    c.set_defaults(func=corpus)
+    sub.add_parser("translate", help="translate sentences with a checkpoint of gpipe train --data DIR (see -h)")
     return parser
 
 
@@ -297,12 +319,44 @@ def vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes such as 20000,4000,800 (got {text!r})") from None
+    if not 1 <= len(sizes) <= 26 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"give 1 to 26 positive sizes (got {text!r})")
+    return sizes
+
+
+def corpus(args: argparse.Namespace) -> int:
+    """``gpipe corpus``: the built-in synthetic language pairs as text files."""
+    from pathlib import Path
+
+    from gpipe.data import SyntheticTranslation
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {args.out!r} is a file; name a folder", file=sys.stderr)
+        return 2
+    data = SyntheticTranslation(sizes=args.sizes, held_out=args.held_out, seed=args.seed)
+    files = data.write(out)
+    for name, size in data.pair_sizes.items():
+        print(f"  {name}: {size} sentence pairs, {args.held_out} held out")
+    print(f"wrote {len(files)} files to {out}; next: gpipe train --data {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         from gpipe.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["translate"]:
+        from gpipe.translate import main as translate_main
+
+        return translate_main(argv[1:])
     if argv[:1] == ["bench"]:
         from gpipe.bench import main as bench_main
 
@@ -319,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad flags of ``gpipe demo``, ``gpipe schedule`` and ``gpipe vocab`` before any work starts."""
     for name in ("steps", "partitions", "chunks", "batch", "width", "depth", "classes", "stages", "virtual", "size",
-                 "sample", "temperature"):  # fmt: skip
+                 "sample", "temperature", "held_out"):  # fmt: skip
         if getattr(args, name, 1) <= 0:
             raise UsageError(f"--{name} must be positive (got {getattr(args, name)})")
     if args.command == "demo":

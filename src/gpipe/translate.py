@@ -1,0 +1,232 @@
+"""``gpipe translate``: translate sentences with a checkpoint of ``gpipe train --data FOLDER``.
+
+    gpipe translate --checkpoint runs/mt --to de < sentences.txt > translations.txt
+    gpipe translate --checkpoint runs/mt/checkpoints/step-00001000 --input test.en --beam 4
+    echo "<2fr> a sentence" | gpipe translate --checkpoint runs/mt
+    torchrun --nproc-per-node 2 -m gpipe translate --checkpoint runs/mt --partitions 2 --input test.en
+
+``--checkpoint``: a run's ``--out`` (its newest checkpoint), its ``checkpoints`` folder, or one
+``step-*`` folder. Each checkpoint holds what rebuilds the model: ``run.json`` (the training
+settings, the vocabulary's size, the longest sentence) and ``vocab.model`` (the shared
+SentencePiece vocabulary), beside the weights; the weights load into ``--partitions`` stages
+whatever the number the run trained with.
+
+Input: one sentence a line (stdin, or ``--input``); output: its translation on the same line
+number (stdout, or ``--output``); a blank line stays blank. The target language is ``--to``, or a
+line's leading tag ``<2xx>``, or the only language the model knows. Sources longer than the run's
+``--max-length`` are cut to it; a translation has at most twice the source's tokens + 10 (and at
+most ``--max-length``). Decoding is beam search (``--beam``, GNMT's length penalty
+``--length-penalty``), or greedy with ``--beam 1``, through the pipeline's stages
+(:mod:`gpipe.decode`); under torchrun every rank decodes and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+import torch
+import torch.distributed as dist
+
+from gpipe.balance import balance_by_flops
+from gpipe.cli import ArgumentParser, UsageError
+from gpipe.data import EOS, PAD
+from gpipe.decode import beam_search, greedy
+from gpipe.distributed import init_from_env
+from gpipe.evaluation import decode_limit
+from gpipe.pipeline import Pipeline
+from gpipe.saving import CheckpointError, latest, load
+from gpipe.vocab import Vocab
+
+__all__ = ["Translator", "find_checkpoint", "main"]
+
+RUN, VOCAB = "run.json", "vocab.model"
+_TAG = re.compile(r"^\s*<2([A-Za-z0-9_]+)>\s*")
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint folder ``path`` names: itself (a ``step-*`` folder), the newest of a
+    ``checkpoints`` folder, or the newest of a run's ``OUT/checkpoints``. Raises ``UsageError``."""
+    root = Path(path)
+    if (root / RUN).is_file():
+        return root
+    for folder in (root, root / "checkpoints"):
+        with contextlib.suppress(CheckpointError):
+            found = latest(folder)
+            if found is not None:
+                return found
+    if not root.exists():
+        raise UsageError(f"--checkpoint {str(path)!r}: no such folder")
+    raise UsageError(
+        f"--checkpoint {str(path)!r} holds no checkpoint of gpipe train: give a run's --out, its checkpoints "
+        "folder, or a step-* folder"
+    )
+
+
+class Translator:
+    """A checkpoint's translation model in a :class:`~gpipe.Pipeline` of ``partitions`` stages,
+    with its vocabulary. Under torchrun, ``partitions`` is the world size, one stage per rank."""
+
+    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1, chunks: int = 1) -> None:
+        from gpipe.train import TrainConfig, translation_model
+
+        self.folder = find_checkpoint(checkpoint)
+        try:
+            run = json.loads((self.folder / RUN).read_text())
+            settings, kind = dict(run["config"]), run["data"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{str(self.folder / RUN)!r} is not a run description of gpipe train: {exc!r}") from None
+        if kind != "ParallelCorpus" or not (self.folder / VOCAB).is_file():
+            raise UsageError(
+                f"{str(self.folder)!r} is a checkpoint of a run on {kind}, without a SentencePiece vocabulary: "
+                "gpipe translate needs a run of gpipe train --data FOLDER (a folder of parallel files)"
+            )
+        known = set(TrainConfig.__dataclass_fields__)
+        self.config = TrainConfig(**{k: v for k, v in settings.items() if k in known})
+        self.vocab = Vocab(self.folder / VOCAB)
+        self.length = int(run["length"])
+        if self.vocab.size != int(run["vocab"]):
+            raise UsageError(
+                f"{str(self.folder / VOCAB)!r} has {self.vocab.size} pieces, the model {run['vocab']}: not the "
+                "run's vocabulary"
+            )
+        with torch.device("meta"):
+            model = translation_model(self.config, self.vocab.size, self.length)
+        layers = len(model)
+        if partitions > layers:
+            raise UsageError(f"--partitions {partitions} exceeds the model's {layers} layers")
+        distributed = init_from_env()
+        sample = (torch.full((2, 4), 5), torch.full((2, 4), 5))
+        self.pipe = Pipeline(
+            model,
+            balance_by_flops(partitions, model, sample, chunks=chunks),
+            chunks=chunks,
+            loss_fn=lambda output, target: output.sum(),  # (never called: forwards only)
+            devices=None if distributed else ["cpu"] * partitions,
+        )
+        self.step = load(self.pipe, self.folder)
+        self.pipe.eval()
+
+    def language(self, requested: str | None) -> str:
+        """The target language: ``requested``, or the model's only one."""
+        languages = self.vocab.languages
+        if requested is None:
+            if len(languages) != 1:
+                raise UsageError(
+                    f"the model translates into {', '.join(languages)}: say which with --to, or start each "
+                    "line with its tag, e.g. <2" + languages[0] + ">"
+                )
+            return languages[0]
+        if requested not in languages:
+            raise UsageError(f"the model does not translate into {requested!r}; it knows {', '.join(languages)}")
+        return requested
+
+    def encode(self, line: str, to: str | None) -> tuple[list[int], int]:
+        """A line's source ids (cut to the run's length, EOS last) and its target language's tag."""
+        tag = _TAG.match(line)
+        if tag is not None:
+            line = line[tag.end() :]
+        language = self.language(tag[1] if tag is not None else to)
+        ids = [*self.vocab.encode(line)[: self.length - 1], EOS]
+        return ids, self.vocab.tag(language)
+
+    def translate(
+        self,
+        lines: Sequence[str],
+        *,
+        to: str | None = None,
+        beam: int = 4,
+        length_penalty: float = 0.6,
+        batch: int = 32,
+    ) -> list[str]:
+        """The translations of ``lines`` (a blank line translates to a blank line)."""
+        encoded = {i: self.encode(line, to) for i, line in enumerate(lines) if line.strip()}
+        out = [""] * len(lines)
+        order = sorted(encoded, key=lambda i: len(encoded[i][0]))  # similar lengths batch together
+        for first in range(0, len(order), batch):
+            rows = order[first : first + batch]
+            longest = max(len(encoded[i][0]) for i in rows)
+            source = torch.tensor([[*encoded[i][0], *[PAD] * (longest - len(encoded[i][0]))] for i in rows])
+            start = torch.tensor([encoded[i][1] for i in rows])
+            limit = min(self.length, decode_limit(longest))
+            if beam == 1:
+                ids = greedy(self.pipe, source, start, max_len=limit)
+            else:
+                ids = beam_search(self.pipe, source, start, beam=beam, max_len=limit, length_penalty=length_penalty)
+            for i, row in zip(rows, ids.tolist()):
+                out[i] = self.vocab.decode(row[: row.index(EOS)] if EOS in row else row)
+        return out
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="gpipe translate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
+    parser.add_argument("--input", help="a file of sentences, one a line (default: standard input)")
+    parser.add_argument("--output", help="the file to write the translations to (default: standard output)")
+    parser.add_argument("--to", help="the target language (default: a line's <2xx> tag, or the model's only one)")
+    parser.add_argument("--beam", type=int, default=4, help="beam size; 1: greedy (default: 4)")
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha of the length penalty (default: 0.6)")
+    parser.add_argument("--batch", type=int, default=32, help="sentences decoded together (default: 32)")
+    parser.add_argument(
+        "--partitions", type=int, default=None, help="pipeline stages (default: 1; under torchrun, the world size)"
+    )
+    parser.add_argument("--chunks", type=int, default=1, help="micro-batches of a batch (default: 1)")
+    return parser
+
+
+@contextlib.contextmanager
+def _opened(path: str | None, mode: str, default: IO[str]) -> Iterator[IO[str]]:
+    if path is None:
+        yield default
+        return
+    try:
+        f = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise UsageError(f"cannot open {path!r}: {exc.strerror}") from None
+    with f:
+        yield f
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``gpipe translate``; a bad flag, checkpoint or input line is one line ``error: ...``, status 2."""
+    try:
+        args = _parser().parse_args(argv)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        partitions = args.partitions if args.partitions is not None else world
+        for name, value in (("beam", args.beam), ("batch", args.batch), ("partitions", partitions),
+                            ("chunks", args.chunks)):  # fmt: skip
+            if value <= 0:
+                raise UsageError(f"--{name} must be positive (got {value})")
+        if not args.length_penalty >= 0:
+            raise UsageError(f"--length-penalty must be >= 0 (got {args.length_penalty})")
+        if world > 1 and partitions != world:
+            raise UsageError(f"--partitions {partitions} differs from the {world} processes of torchrun")
+        if args.input is not None and not Path(args.input).is_file():
+            raise UsageError(f"--input {args.input!r}: no such file")
+        translator = Translator(args.checkpoint, partitions=partitions, chunks=args.chunks)
+        if args.to is not None:
+            translator.language(args.to)
+        with _opened(args.input, "r", sys.stdin) as f:
+            try:
+                lines = f.read().splitlines()
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{args.input or 'standard input'} is not UTF-8 text: {exc}") from None
+        translations = translator.translate(
+            lines, to=args.to, beam=args.beam, length_penalty=args.length_penalty, batch=args.batch
+        )
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with _opened(args.output, "w", sys.stdout) as f:
+                f.writelines(t + "\n" for t in translations)
+    except (UsageError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
