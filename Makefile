@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/vision torchvision==0.28.0
 	touch $(STAMP)
 
+# The translation workflow on the built-in synthetic language pairs, written as text files: a shared
+# SentencePiece vocabulary, temperature sampling, BLEU per pair at the end.
 demo: $(STAMP)
-	$(BIN)/gpipe train --out runs/demo
+	$(BIN)/gpipe corpus --out runs/demo-corpus
+	$(BIN)/gpipe train --data runs/demo-corpus --vocab-size 256 --out runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
