@@ -205,3 +205,30 @@ def test_the_synthetic_text_translates_word_by_word(corpus: Path) -> None:
         assert len({next(iter(t)) for t in mapping.values()}) == len(mapping) == 48  # one to one
     held = SyntheticTranslation(sizes=(30, 20), held_out=4).held_out()
     assert set(held) == {"xs-ya", "xs-yb"} and all(len(h) == 4 for h in held.values())
+
+
+def test_torchrun_trains_the_vocabulary_once_and_equals_one_process(corpus: Path, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_harness import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    env.pop("WORLD_SIZE", None)
+    flags = [f"--data={corpus}", "--vocab-size=200", "--steps=4", "--eval-every=4", "--no-progress"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "gpipe", "train", *flags, f"--out={tmp_path / 'ranks'}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.count("training a vocabulary") == 1  # by rank 0 alone
+    train(TrainConfig(out=str(tmp_path / "one"), data=str(corpus), vocab_size=200, steps=4, eval_every=4,
+                      progress=False))  # fmt: skip
+
+    def rows(out: str) -> list[dict[str, float]]:
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+
+    assert rows("ranks") == rows("one")  # bitwise: losses, eval losses and BLEU per pair
+    assert "bleu/xs-yc" in rows("ranks")[-1]
