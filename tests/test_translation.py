@@ -232,3 +232,30 @@ def test_torchrun_trains_the_vocabulary_once_and_equals_one_process(corpus: Path
 
     assert rows("ranks") == rows("one")  # bitwise: losses, eval losses and BLEU per pair
     assert "bleu/xs-yc" in rows("ranks")[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--vocab-size", "100000"], "vocabulary size 100000 is too large for the sampled text"),
+        (["--vocab", "{tmp}/none.model"], "--vocab '{tmp}/none.model': no such file"),
+        (["--max-length", "1"], "--max-length must be at least 2"),
+        (["--beam", "0"], "--beam must be positive"),
+    ],
+)
+def test_bad_translation_flags_are_refused(
+    corpus: Path, tmp_path: Path, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "out"), "--steps", "1", "--no-progress", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "vocab.model").exists()
+
+
+def test_vocab_is_for_a_folder_of_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "v.model"
+    model.write_bytes(b"x")
+    assert main(["train", "--vocab", str(model), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
+    assert "is for --data FOLDER" in capsys.readouterr().err
