@@ -254,8 +254,12 @@ def test_bad_translation_flags_are_refused(
     assert not (tmp_path / "out" / "vocab.model").exists()
 
 
-def test_vocab_is_for_a_folder_of_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_vocab_and_folders_are_for_the_transformer(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = tmp_path / "v.model"
     model.write_bytes(b"x")
     assert main(["train", "--vocab", str(model), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
     assert "is for --data FOLDER" in capsys.readouterr().err
+    assert main(["train", "--model", "hf", "--data", str(corpus), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
+    assert "a folder of language pairs trains the encoder-decoder transformer" in capsys.readouterr().err

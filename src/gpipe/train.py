@@ -366,6 +366,11 @@ class TrainConfig:
                 f"cannot read the data file {self.data!r}: there is no such file or folder "
                 "(leave --data out for synthetic data)"
             )
+        if self.model == "hf" and self.data and Path(self.data).is_dir():
+            raise ConfigError(
+                f"--model hf reads one file (--data {self.data!r} is a folder); a folder of language pairs trains "
+                "the encoder-decoder transformer: leave --model out"
+            )
         if self.vocab and not self.parallel_folder:
             raise ConfigError(
                 f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
