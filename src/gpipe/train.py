@@ -527,6 +527,7 @@ def one_run(out: Path) -> Iterator[None]:
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
+    distributed = init_from_env()  # (before the data: rank 0 alone trains a vocabulary)
     try:
         data = _data(cfg)
     except ConfigError:
@@ -543,7 +544,6 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
     if cfg.model == "hf":  # its last layer returns the model's ModelOutput
         loss_fn = functools.partial(hf.logits_loss, loss_fn)
-    distributed = init_from_env()
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
         model,
