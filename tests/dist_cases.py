@@ -631,3 +631,58 @@ def generator_unet() -> nn.Sequential:
         nn.Conv2d(6, 6, 3, padding=1), GenUp(6, 6, 4).isolate(inner), GenUp(4, 4, 2).isolate(outer),
         nn.Conv2d(2, 2, 1),
     )  # fmt: skip
+
+
+# Checkpoints with the optimizer's state (torch.distributed.checkpoint), keyed by parameter name.
+
+
+def _adam_steps(pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+    x, y = data()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y))
+        optimizer.step()
+    return losses
+
+
+def train_and_save_with_optimizer(
+    directory: str, steps: int, asynchronous: bool = False, dp: int = 1
+) -> dict[str, Any]:
+    """Adam for ``steps`` steps, save with its state (``asynchronous``: in the background, while the
+    next step runs), then one more step: its loss, and this rank's layers after it, are what a run
+    resumed from the checkpoint must get."""
+    from gpipe.saving import layer_state
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = mlp()
+    pipe = Pipeline(model, even(len(model), world // dp), chunks=4, loss_fn=F.mse_loss, data_parallel=dp)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    _adam_steps(pipe, optimizer, steps)
+    saved = {k: v.clone() for k, v in layer_state(pipe).items()}
+    if asynchronous:
+        handle = save_checkpoint(pipe, directory, steps, optimizer=optimizer, asynchronous=True)
+        next_loss = _adam_steps(pipe, optimizer, 1)[0]  # changes the weights while they are written
+        handle.wait()
+    else:
+        save_checkpoint(pipe, directory, steps, optimizer=optimizer)
+        next_loss = _adam_steps(pipe, optimizer, 1)[0]
+    after = {k: v.clone() for k, v in layer_state(pipe).items()}
+    return {"saved": saved, "next": next_loss, "after": after, "dp_rank": pipe.dp_rank}
+
+
+def load_with_optimizer_and_step(directory: str, workers: int = 0) -> dict[str, Any]:
+    """Other weights and an Adam of another learning rate, loaded from the checkpoint, then one step
+    (``workers``: that many stages in this one process; else one per rank)."""
+    from gpipe.saving import layer_state
+
+    k = workers or int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(99)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(6, 6), nn.Tanh())])
+    local = {"devices": ["cpu"] * k} if workers else {}
+    pipe = Pipeline(model, even(16, k), chunks=4, loss_fn=F.mse_loss, **local)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.5)
+    step = load_checkpoint(pipe, directory, optimizer=optimizer)
+    loaded = {k: v.clone() for k, v in layer_state(pipe).items()}
+    next_loss = _adam_steps(pipe, optimizer, 1)[0]
+    return {"step": step, "loaded": loaded, "next": next_loss, "after": dict(layer_state(pipe))}

@@ -20,8 +20,9 @@ def test_saved_with_two_ranks_loads_into_four_ranks_and_one_process(tmp_path: Pa
     ckpt = tmp_path / "ckpt"
     saved = run_ranks("train_and_save", 2, tmp_path / "a", directory=str(ckpt), steps=3)
     assert sorted(p.name for p in (ckpt / "step-00000003").iterdir()) == [
-        "layers-00000-00007.pt",
-        "layers-00008-00015.pt",
+        ".metadata",  # DCP's index
+        "__0_0.distcp",  # each rank's entries
+        "__1_0.distcp",
         "manifest.json",
     ]
     expected = saved[0]["next"]
@@ -85,6 +86,6 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds 2 layers, the model has 3"):
         load_checkpoint(bigger, tmp_path)
     manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
-    assert manifest == {"step": 1, "num_layers": 2, "files": ["layers-00000-00000.pt", "layers-00001-00001.pt"]}
+    assert manifest == {"format": "gpipe-dcp-1", "step": 1, "num_layers": 2, "optimizer": None}
     with pytest.raises(TypeError, match=r"expected a gpipe\.Pipeline or gpipe\.GPipe"):
         save_checkpoint(nn.Linear(2, 2), tmp_path, 2)

@@ -56,20 +56,26 @@ def temporaries(root: Path) -> list[str]:
 # 1. A save replaces the whole step folder.
 
 
+DCP_FILES = [".metadata", "__0_0.distcp", "manifest.json"]  # a checkpoint saved by one process
+
+
 @pytest.mark.parametrize(("first", "second"), [([4, 4], [2, 2, 2, 2]), ([2, 2, 2, 2], [4, 4]), ([3, 5], [5, 3])])
 def test_a_save_over_a_step_of_another_layout_leaves_nothing_of_it(
     tmp_path: Path, first: list[int], second: list[int]
 ) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
     save_checkpoint(pipe_of(mlp(0), first), tmp_path, 5)
+    step = tmp_path / "step-00000005"
+    (step / "__3_0.distcp").write_bytes(b"rank 3's entries, of a save by 4 ranks")
+    (step / "layers-00000-00003.pt").write_bytes(b"a file of the earlier format")
     newer = pipe_of(mlp(1), second)
     expected = snapshot(newer)
     save_checkpoint(newer, tmp_path, 5)
 
-    step = tmp_path / "step-00000005"
-    bounds = [sum(second[:i]) for i in range(len(second) + 1)]
-    names = [f"layers-{a:05d}-{b - 1:05d}.pt" for a, b in itertools.pairwise(bounds)]
-    assert sorted(p.name for p in step.iterdir()) == sorted([*names, "manifest.json"])
-    assert json.loads((step / "manifest.json").read_text())["files"] == sorted(names)
+    assert sorted(p.name for p in step.iterdir()) == DCP_FILES
+    assert sorted(FileSystemReader(step).read_metadata().state_dict_metadata) == sorted(f"model.{k}" for k in expected)
+    assert json.loads((step / "manifest.json").read_text())["num_layers"] == 8
     assert temporaries(tmp_path) == []
     for balance in ([8], first, second):
         fresh = pipe_of(mlp(2), balance)
@@ -77,19 +83,26 @@ def test_a_save_over_a_step_of_another_layout_leaves_nothing_of_it(
         assert_holds(fresh, expected)
 
 
-def test_two_ranks_then_four_ranks_into_the_same_step(tmp_path: Path) -> None:
+def test_four_ranks_then_two_ranks_into_the_same_step(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run_ranks("train_and_save_at", 2, tmp_path / "a", timeout=120, directory=str(ckpt), steps=1, step=5)
-    four = run_ranks("train_and_save_at", 4, tmp_path / "b", timeout=120, directory=str(ckpt), steps=3, step=5)
+    run_ranks("train_and_save_at", 4, tmp_path / "a", timeout=120, directory=str(ckpt), steps=1, step=5)
     assert sorted(p.name for p in (ckpt / "step-00000005").iterdir()) == [
-        "layers-00000-00003.pt",
-        "layers-00004-00007.pt",
-        "layers-00008-00011.pt",
-        "layers-00012-00015.pt",
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__3_0.distcp",
         "manifest.json",
     ]
+    two = run_ranks("train_and_save_at", 2, tmp_path / "b", timeout=120, directory=str(ckpt), steps=3, step=5)
+    assert sorted(p.name for p in (ckpt / "step-00000005").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+    ], "nothing of the save by four ranks is left"
     assert temporaries(ckpt) == []
-    expected = {k: v for rank in four for k, v in rank["state"].items()}
+    expected = {k: v for rank in two for k, v in rank["state"].items()}
     pipe = dist_cases.build("1f1b", 1, 4)
     with torch.no_grad():
         for p in pipe.parameters():
@@ -106,12 +119,10 @@ def test_files_of_another_writer_are_carried_over_or_replaced_by_extra(tmp_path:
     save_checkpoint(pipe, tmp_path, 3)
     assert (step / "optimizer-rank0.pt").read_text() == "written by gpipe train just before the save"
     save_checkpoint(pipe, tmp_path, 3, extra={"optimizer-rank1.pt": lambda p: p.write_text("new")})
-    assert sorted(p.name for p in step.iterdir() if not p.name.startswith("layers-")) == [
-        "manifest.json",
-        "optimizer-rank1.pt",
-    ]
-    with pytest.raises(ValueError, match="plain file name"):
-        save_checkpoint(pipe, tmp_path, 3, extra={"../escape": lambda p: None})
+    assert sorted(p.name for p in step.iterdir()) == sorted([*DCP_FILES, "optimizer-rank1.pt"])
+    for name in ("../escape", "__0_0.distcp", ".metadata", "manifest.json"):
+        with pytest.raises(ValueError, match="plain file name"):
+            save_checkpoint(pipe, tmp_path, 3, extra={name: lambda p: None})
 
 
 # 2. What killed saves leave behind.
@@ -122,9 +133,9 @@ def test_the_next_save_removes_what_killed_saves_left(tmp_path: Path) -> None:
     save_checkpoint(pipe, tmp_path, 1)
     staging = tmp_path / ".step-00000002.tmp"  # a save killed while the ranks wrote their files
     staging.mkdir()
-    (staging / "layers-00000-00003.pt").write_bytes(b"half")
+    (staging / "__0_0.distcp").write_bytes(b"half")
     (tmp_path / ".latest.tmp-4242").write_text("step-000")
-    (tmp_path / "step-00000001" / ".layers-00004-00007.pt.tmp-4242").write_bytes(b"half")
+    (tmp_path / "step-00000001" / ".manifest.json.tmp-4242").write_bytes(b"half")
     (tmp_path / "step-00000001" / ".optimizer-rank0.pt.tmp-77").write_bytes(b"half")
     (tmp_path / "notes.txt").write_text("not ours")
     (tmp_path / ".hidden").write_text("not ours")
@@ -143,8 +154,8 @@ def test_the_next_save_removes_what_killed_saves_left(tmp_path: Path) -> None:
     ]
 
 
-KILLED_SAVE = """
-import os, sys, time, torch, torch.nn.functional as F
+KILLED_SAVE = r"""
+import os, re, sys, time, torch, torch.nn.functional as F
 from torch import nn
 import gpipe.saving
 from gpipe import Pipeline, save_checkpoint
@@ -156,14 +167,16 @@ real_save, real_rename, real_replace = torch.save, os.rename, os.replace
 def stop():
     open(mark, "w").close()
     time.sleep(600)  # killed here
+tensors = 0
 def half_written(obj, f):
-    if stage == "write" and "layers-00004" in f.name:
+    global tensors
+    tensors += isinstance(obj, torch.Tensor)
+    if stage == "write" and tensors == 9:  # halfway through DCP's write of 16 tensors
         f.write(b"PK half a file")
-        f.flush()
         stop()
     real_save(obj, f)
 def rename(a, b):
-    if stage == "swap" and str(a).endswith(".tmp"):  # the new folder, about to be renamed in
+    if stage == "swap" and re.fullmatch(r"\.step-\d+\.tmp", os.path.basename(a)):  # the new folder, renamed in
         stop()
     real_rename(a, b)
 def replace(a, b):
@@ -246,7 +259,7 @@ def test_the_fallback_swap_replaces_the_folder_too(tmp_path: Path, monkeypatch: 
     save_checkpoint(pipe_of(mlp(0), [4, 4]), tmp_path, 1)
     newer = pipe_of(mlp(1), [2, 2, 2, 2])
     save_checkpoint(newer, tmp_path, 1)
-    assert len(list((tmp_path / "step-00000001").glob("layers-*"))) == 4
+    assert sorted(p.name for p in (tmp_path / "step-00000001").iterdir()) == DCP_FILES
     assert temporaries(tmp_path) == []
     fresh = pipe_of(mlp(2), [8])
     load_checkpoint(fresh, tmp_path)
@@ -286,7 +299,8 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
             p.add_(1.0)
     for step in (1, 2):  # over the previous step itself, and as a new one
         monkeypatch.setattr(torch, "save", _full_on_call(failing))
-        with pytest.raises(OSError, match=r"no space left on device: \S*layers-0000[04]-0000[37]\.pt") as raised:
+        full = r"no space left on device: \S*\.step-0000000[12]\.tmp/__0_0\.distcp could not be written"
+        with pytest.raises(OSError, match=full) as raised:
             save_checkpoint(pipe, tmp_path, step)
         assert raised.value.errno == errno.ENOSPC
         assert isinstance(raised.value, gpipe.saving.NoSpaceError)
@@ -327,7 +341,7 @@ def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
         assert result["error"]["type"] == "NoSpaceError", result
         assert result["error"]["errno"] == errno.ENOSPC
         assert "no space left on device: " in result["error"]["message"]
-        assert "layers-00008-00015.pt" in result["error"]["message"]
+        assert ".step-00000002.tmp/__1_0.distcp" in result["error"]["message"]
         assert ("(on rank 1)" in result["error"]["message"]) == (rank == 0)
         assert result["step"] == 1 and result["restored"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000001"]
@@ -341,7 +355,7 @@ def test_a_model_of_another_shape_names_the_layer_and_both_shapes(tmp_path: Path
     wider = pipe_of(mlp(0, (8, 16, 128, 32, 4)), [1, 3])
     with pytest.raises(
         ValueError,
-        match=r"checkpoint layer 1 \('1\.weight', Linear\) in '\S*layers-00000-00001\.pt': "
+        match=r"checkpoint layer 1 \('1\.weight', Linear\) in '\S*step-00000001/__0_0\.distcp': "
         r"saved shape \(64, 16\), model's \(128, 16\)",
     ):
         load_checkpoint(wider, tmp_path)
@@ -372,53 +386,57 @@ def _empty(p: Path) -> None:
     p.write_bytes(b"")
 
 
-def _other_layers(p: Path) -> None:
-    p.write_bytes((p.parent / "layers-00000-00003.pt").read_bytes())
-
-
-def _not_tensors(p: Path) -> None:
-    torch.save({"4.weight": [1, 2]}, p)
-
-
-LAYERS_CASES: dict[str, tuple[Callable[[Path], object], str]] = {
-    "garbage": (_garbage, r"not a readable layers file \(truncated or corrupt\?\)"),
-    "truncated": (_truncated, r"not a readable layers file \(truncated or corrupt\?\)"),
-    "empty": (_empty, r"not a readable layers file \(truncated or corrupt\?\)"),
-    "deleted": (Path.unlink, r"missing, though \S*manifest\.json lists it"),
-    "other layers": (_other_layers, r"holds '0\.weight' of layer 0, outside its layers 4 to 7"),
-    "not tensors": (_not_tensors, r"holds '4\.weight', not a '<layer>\.<name>' tensor"),
+UNREADABLE = r"unreadable \(truncated or corrupt\?\)"
+FILE_CASES: dict[str, tuple[str, Callable[[Path], object], str]] = {
+    "garbage data": ("__0_0.distcp", _garbage, UNREADABLE),
+    "truncated data": ("__0_0.distcp", _truncated, UNREADABLE),
+    "empty data": ("__0_0.distcp", _empty, UNREADABLE),
+    "deleted data": ("__0_0.distcp", Path.unlink, r"missing, though \S*step-00000001/\.metadata lists it"),
+    "garbage index": (".metadata", _garbage, UNREADABLE),
+    "truncated index": (".metadata", _truncated, UNREADABLE),
+    "empty index": (".metadata", _empty, UNREADABLE),
+    "deleted index": (".metadata", Path.unlink, r"missing, though \S*manifest\.json says the checkpoint is complete"),
 }
 
 
-@pytest.mark.parametrize("case", LAYERS_CASES)
-def test_a_corrupt_layers_file_is_named(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_a_corrupt_file_is_named(tmp_path: Path, case: str) -> None:
     pipe = pipe_of(mlp(0), [4, 4])
     save_checkpoint(pipe, tmp_path, 1)
-    path = tmp_path / "step-00000001" / "layers-00004-00007.pt"
-    corrupt, message = LAYERS_CASES[case]
+    name, corrupt, message = FILE_CASES[case]
+    path = tmp_path / "step-00000001" / name
     corrupt(path)
-    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
-        load_checkpoint(pipe, tmp_path)
-    with pytest.raises(ValueError, match=re.escape(str(path))):
-        load_checkpoint(pipe_of(mlp(0), [8]), tmp_path)
+    for balance in ([4, 4], [8]):
+        fresh = pipe_of(mlp(1), balance)
+        before = snapshot(fresh)
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+            load_checkpoint(fresh, tmp_path)
+        assert_holds(fresh, before)  # nothing changed
 
 
 MANIFEST_CASES = {
     "not json": (b"{'step': 1", r"not a checkpoint manifest: not JSON"),
     "binary": (bytes(range(256)), r"not a checkpoint manifest: not JSON"),
     "a list": (b"[1, 2]", r"not a checkpoint manifest: expected a JSON object, got list"),
-    "no files": (b'{"step": 1, "num_layers": 8}', r"not a checkpoint manifest: lacks 'files'"),
-    "no step": (b'{"num_layers": 8, "files": []}', r"not a checkpoint manifest: lacks 'step'"),
-    "no num_layers": (b'{"step": 1, "files": []}', r"not a checkpoint manifest: lacks 'num_layers'"),
-    "step a string": (b'{"step": "1", "num_layers": 8, "files": []}', r"'step' should be an integer, got '1'"),
-    "files a string": (b'{"step": 1, "num_layers": 8, "files": "x"}', r"'files' should be a list, got 'x'"),
-    "a path": (
-        b'{"step": 1, "num_layers": 8, "files": ["../../etc/passwd"]}',
-        r"lists '\.\./\.\./etc/passwd', not a layers-<first>-<last>\.pt file",
+    "the earlier format": (
+        b'{"step": 1, "num_layers": 8, "files": ["layers-00000-00003.pt", "layers-00004-00007.pt"]}',
+        r"a checkpoint of gpipe's earlier format \(a torch\.save file per stage: \['layers-00000-00003\.pt', "
+        r"'layers-00004-00007\.pt'\]\), which this version does not read",
     ),
-    "overlapping": (
-        b'{"step": 1, "num_layers": 8, "files": ["layers-00000-00003.pt", "layers-00002-00007.pt"]}',
-        r"lists layers-00000-00003\.pt and layers-00002-00007\.pt, which overlap",
+    "no format": (b'{"step": 1, "num_layers": 8}', r"not a checkpoint manifest: lacks 'format'"),
+    "no step": (b'{"format": "gpipe-dcp-1", "num_layers": 8}', r"not a checkpoint manifest: lacks 'step'"),
+    "no num_layers": (b'{"format": "gpipe-dcp-1", "step": 1}', r"not a checkpoint manifest: lacks 'num_layers'"),
+    "step a string": (
+        b'{"format": "gpipe-dcp-1", "step": "1", "num_layers": 8}',
+        r"'step' should be an integer, got '1'",
+    ),
+    "another format": (
+        b'{"format": "gpipe-dcp-9", "step": 1, "num_layers": 8}',
+        r"a checkpoint of format 'gpipe-dcp-9'; this version reads 'gpipe-dcp-1'",
+    ),
+    "optimizer a number": (
+        b'{"format": "gpipe-dcp-1", "step": 1, "num_layers": 8, "optimizer": 3}',
+        r"'optimizer' should be a class name or null, got 3",
     ),
 }
 
