@@ -57,6 +57,28 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert [s for s, _ in losses(tmp_path / "part")] == list(range(1, 41))
 
 
+@pytest.mark.parametrize("partitions", [1, 4])
+def test_resume_at_another_partition_count_continues_exactly(tmp_path: Path, partitions: int) -> None:
+    # the optimizer's state is keyed by global parameter name: a K=2 checkpoint resumes at K=1 and K=4
+    train(quick(tmp_path / "full", steps=24, checkpoint_every=12, eval_every=12))
+    train(quick(tmp_path / "part", steps=12, checkpoint_every=12, eval_every=12))
+    train(quick(tmp_path / "part", steps=24, checkpoint_every=12, eval_every=12, resume=True, partitions=partitions))
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+
+
+def test_background_checkpoints_hold_what_a_foreground_save_holds(tmp_path: Path) -> None:
+    train(quick(tmp_path / "sync", steps=12, checkpoint_every=4, eval_every=12))
+    train(quick(tmp_path / "async", steps=12, checkpoint_every=4, eval_every=12, async_checkpoint=True))
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    for run in ("sync", "async"):  # resume both from step 8's checkpoint
+        (tmp_path / run / "checkpoints" / "latest").write_text("step-00000008")
+        train(quick(tmp_path / run, steps=12, checkpoint_every=4, eval_every=12, resume=True))
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    names = sorted(p.name for p in (tmp_path / "async" / "checkpoints" / "step-00000008").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "sync" / "checkpoints" / "step-00000008").iterdir())
+    assert {"run.json", "scheduler.json", "manifest.json", ".metadata"} <= set(names)
+
+
 def test_ctrl_c_writes_a_final_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = train_module.SyntheticTranslation.batch
 

@@ -98,3 +98,47 @@ def test_out_naming_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="is a file"), one_run(tmp_path / "f"):
         pass
+
+
+KILLED_DURING_A_BACKGROUND_SAVE = r"""
+import json, sys, threading, time
+from pathlib import Path
+import torch
+from gpipe.train import TrainConfig, train
+out, mark, small = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+real_save = torch.save
+def slow(obj, f):
+    # DCP's writes in the background, once a first checkpoint is complete: the second save hangs mid-write
+    if threading.current_thread() is not threading.main_thread() and (out / "checkpoints" / "latest").exists():
+        mark.touch()
+        time.sleep(600)  # killed here
+    real_save(obj, f)
+torch.save = slow
+train(TrainConfig(out=str(out), **small))
+"""
+
+
+def test_killed_during_a_background_checkpoint_resumes_from_the_one_before(
+    tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    small = {**SMALL, "checkpoint_every": 2, "async_checkpoint": True}
+    mark = tmp_path / "mark"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_DURING_A_BACKGROUND_SAVE, str(tmp_path / "run"), str(mark), json.dumps(small)],
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), f"the second checkpoint never started writing (exit code {proc.poll()})"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-00000002"
+    assert (checkpoints / ".step-00000004.tmp").is_dir()  # the killed save's leftovers
+    train(TrainConfig(out=str(tmp_path / "run"), resume=True, **{**SMALL, "checkpoint_every": 2}))
+    assert losses(tmp_path / "run") == uninterrupted
+    assert not (checkpoints / ".step-00000004.tmp").exists()  # cleaned by the next save

@@ -72,7 +72,7 @@ from gpipe.recipe import (
     rmsprop,
 )
 from gpipe.rng import derive_seed
-from gpipe.saving import CheckpointError, latest, load, save, write_atomically
+from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 from gpipe.sequential import to_sequential
 from gpipe.vocab import Vocab, read_pairs, train_vocab
@@ -241,6 +241,13 @@ class TrainConfig:
         default=0.6, metadata={"help": "translation: alpha of beam search's length penalty ((5 + len) / 6) ** alpha"}
     )
     checkpoint_every: int = field(default=100, metadata={"help": "write a checkpoint every N steps"})
+    async_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "write the every-N-steps checkpoints in the background (the state is copied first; the final "
+            "one and Ctrl-C's are written at once)"
+        },
+    )
     out: str = field(default="runs/default", metadata={"help": "output directory"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
     seed: int = field(default=0, metadata={"help": "random seed"})
@@ -561,7 +568,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     )
     optimizer = _optimizer(cfg, pipe.parameters())
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
-    start = _resume(cfg, pipe, optimizer, scheduler, out) if cfg.resume else 1
+    checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
+    start = checkpoints.resume() if cfg.resume else 1
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     if _rank() == 0:
@@ -625,12 +633,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **shown)
                     bar.update(1)
             if step % cfg.checkpoint_every == 0:
-                _save(cfg, pipe, optimizer, scheduler, out, step, data)
+                checkpoints.save(step, background=True)
     except KeyboardInterrupt:
         interrupts.restore()
         if bar is not None:
             bar.close()
-        _save(cfg, pipe, optimizer, scheduler, out, done, data)
+        checkpoints.save(done)
+        checkpoints.finish()
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
         raise
     finally:
@@ -639,7 +648,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             board.close()
     if bar is not None:
         bar.close()
-    _save(cfg, pipe, optimizer, scheduler, out, done, data)
+    checkpoints.save(done)
+    checkpoints.finish()
     if _rank() == 0:
         _plot(metrics_path, out / "loss.png", baseline, data.baseline_name)
         nan = float("nan")
@@ -802,23 +812,32 @@ def _progress(cfg: TrainConfig, start: int) -> Any:
     return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 
 
-def _state_path(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step-{step:08d}" / f"optimizer-rank{_rank()}.pt"
-
-
 RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
+SCHEDULER = "scheduler.json"  # in every checkpoint: the learning-rate schedule's state
 
 
-def _save(
-    cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, step: int, data: Dataset
-) -> None:
-    if step < 1:
-        return
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "partitions": cfg.partitions}
-    # The optimizer state goes into the step's new folder with the weights: both appear at once.
-    extra: dict[str, Any] = {_state_path(out, step).name: lambda p: torch.save(state, p)}
-    if _rank() == 0:  # what `gpipe translate` rebuilds the model from, beside its weights
-        run: dict[str, Any] = {"config": dataclasses.asdict(cfg), "data": type(data).__name__}
+class Checkpoints:
+    """``OUT/checkpoints`` of a run: the layers and the optimizer's state through
+    :func:`gpipe.saving.save` (torch.distributed.checkpoint, keyed by global layer index, so that
+    ``--resume`` may change ``--partitions``), beside them the learning-rate schedule's state,
+    ``run.json`` and the vocabulary. With ``--async-checkpoint`` a save returns once the state is
+    copied and writes in the background; the next save, and :meth:`finish`, wait for it."""
+
+    def __init__(
+        self, cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, data: Dataset
+    ) -> None:
+        self.cfg, self.pipe, self.optimizer, self.scheduler, self.data = cfg, pipe, optimizer, scheduler, data
+        self.root = out / "checkpoints"
+        self.pending: AsyncSave | None = None
+        self.saved = 0  # the step of the newest save started
+
+    def _extra(self) -> dict[str, Any]:
+        if _rank() != 0:
+            return {}
+        scheduler = json.dumps(self.scheduler.state_dict())
+        extra: dict[str, Any] = {SCHEDULER: lambda p: p.write_text(scheduler + "\n")}
+        data = self.data  # what `gpipe translate` rebuilds the model from, beside its weights
+        run: dict[str, Any] = {"config": dataclasses.asdict(self.cfg), "data": type(data).__name__}
         if isinstance(data, TokenDataset):
             run |= {"vocab": data.vocab, "length": data.length}
         if isinstance(data, TranslationDataset):
@@ -826,22 +845,40 @@ def _save(
         extra[RUN] = lambda p: p.write_text(json.dumps(run, indent=1) + "\n")
         if isinstance(data, ParallelCorpus):
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
-    save(pipe, out / "checkpoints", step, extra=extra)
+        return extra
 
+    def save(self, step: int, *, background: bool = False) -> None:
+        """Checkpoint ``step`` (the last step whose update is complete); in the background if
+        asked and ``--async-checkpoint`` is on. A step already saved is not saved again."""
+        if step < 1 or step == self.saved:
+            return
+        self.saved = step
+        if background and self.cfg.async_checkpoint:
+            self.pending = save(self.pipe, self.root, step, optimizer=self.optimizer, extra=self._extra(),
+                                asynchronous=True)  # fmt: skip
+            return
+        self.pending = None  # (a save waits for the one under way)
+        save(self.pipe, self.root, step, optimizer=self.optimizer, extra=self._extra())
 
-def _resume(cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path) -> int:
-    if latest(out / "checkpoints") is None:
-        raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
-    step = load(pipe, out / "checkpoints")
-    state = torch.load(_state_path(out, step), weights_only=False)
-    if state["partitions"] != cfg.partitions:
-        raise ConfigError(
-            f"--resume needs the same --partitions as the checkpoint's optimizer state "
-            f"(checkpoint: {state['partitions']}, now: {cfg.partitions})"
-        )
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return step + 1
+    def finish(self) -> None:
+        """Wait for a save under way (raising its error)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+    def resume(self) -> int:
+        """Load the newest checkpoint into the pipeline, the optimizer and the schedule; returns the
+        first step to run."""
+        found = latest(self.root)
+        if found is None:
+            raise ConfigError(f"--resume: no checkpoint in {str(self.root)!r}")
+        step = load(self.pipe, self.root, optimizer=self.optimizer)
+        try:
+            self.scheduler.load_state_dict(json.loads((found / SCHEDULER).read_text()))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{str(found / SCHEDULER)!r}: the learning-rate schedule's state: {exc}") from None
+        self.saved = step
+        return step + 1
 
 
 def _truncate(path: Path, start: int) -> None:
