@@ -516,3 +516,45 @@ def test_data_parallel_replicas_write_one_copy(tmp_path: Path) -> None:
     assert len([k for k in metadata.state_dict_metadata if k.startswith("model.")]) == 16
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == set(data)
+
+
+# Back to the model the pipeline was cut from.
+
+
+def test_load_module_maps_a_sequential_back_by_index(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    pipe = Pipeline(layers, [2, 1], chunks=2, loss_fn=F.mse_loss, devices=["cpu", "cpu"])
+    pipe.step(torch.randn(4, 8), torch.randn(4, 4))
+    save_checkpoint(pipe, tmp_path, 3)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    assert gpipe.saving.load_module(plain, tmp_path) == 3
+    assert_equal_state(plain.state_dict(), dict(layer_state(pipe)))
+    with pytest.raises(CheckpointError, match="does not match the Sequential"):
+        gpipe.saving.load_module(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), tmp_path)
+
+
+def test_load_module_maps_a_hugging_face_model_back_to_its_own_names(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (4, 12))
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+    pipe = Pipeline(transformers.GPT2LMHeadModel(config), [3, 2], chunks=2, loss_fn=loss, devices=["cpu", "cpu"],
+                    sample=tokens)  # fmt: skip
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for _ in range(2):
+        optimizer.zero_grad()
+        pipe.step(tokens, tokens)
+        optimizer.step()
+    save_checkpoint(pipe, tmp_path, 2)
+    torch.manual_seed(1)
+    original = transformers.GPT2LMHeadModel(config).eval()
+    assert gpipe.saving.load_module(original, tmp_path) == 2
+    assert original.lm_head.weight is original.transformer.wte.weight  # still tied
+    pipe.eval()
+    with torch.no_grad():
+        assert torch.equal(original(tokens).logits, pipe(tokens).logits)
