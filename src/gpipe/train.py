@@ -737,6 +737,8 @@ def _vocab(cfg: TrainConfig) -> Vocab:
             error = shared[0]
         if error is not None:
             raise ConfigError(error)
+    elif not cfg.vocab and not cfg.resume and _rank() == 0:
+        print(f"using the vocabulary {path} of an earlier run (delete it to train a new one)", file=sys.stderr)
     try:
         return Vocab(path)
     except ValueError as exc:
