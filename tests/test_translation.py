@@ -263,3 +263,19 @@ def test_vocab_and_folders_are_for_the_transformer(
     assert "is for --data FOLDER" in capsys.readouterr().err
     assert main(["train", "--model", "hf", "--data", str(corpus), "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
     assert "a folder of language pairs trains the encoder-decoder transformer" in capsys.readouterr().err
+
+
+def test_one_tab_separated_file_is_one_pair_with_held_out_sentences(tmp_path: Path) -> None:
+    from gpipe.data import TextPairs
+
+    data = tmp_path / "de-en.tsv"
+    data.write_text("".join(f"a{i} b{i} c\tx{i} y{i}\n" for i in range(40)))
+    pairs = TextPairs(data)
+    held = pairs.held_out()["de-en"]
+    assert len(held) == 4 and pairs.pair_sizes == {"de-en": 36}
+    trained = {pairs.detokenize(t) for _, t in pairs.pairs}
+    assert len(trained) == 36 and not trained & set(held.references)
+    assert pairs.detokenize(held.target_out[0].tolist()) == held.references[0]
+    result = train(TrainConfig(out=str(tmp_path / "out"), data=str(data), steps=2, batch=8, eval_every=2,
+                               progress=False))  # fmt: skip
+    assert 0 <= result["bleu/de-en"] <= 100 + 1e-9 and result["bleu"] == result["bleu/de-en"]

@@ -480,9 +480,11 @@ def _unpadded(row: Tensor) -> list[int]:
 
 
 class TextPairs(_Translation):
-    """Pairs of sentences from a tab-separated file, tokenized on white space."""
+    """Pairs of sentences from a tab-separated file, tokenized on white space: one language pair,
+    named after the file (``pairs.tsv``: ``pairs``), the decoder starting with BOS. A seeded tenth
+    of the lines (at least one, at most ``held_out``) is held out for evaluation (loss and BLEU)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, length: int = 32, seed: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, length: int = 32, held_out: int = 100, seed: int = 0) -> None:
         try:
             with open(path, encoding="utf-8") as f:
                 lines = [line.rstrip("\n").split("\t") for line in f if line.strip()]
@@ -492,14 +494,29 @@ class TextPairs(_Translation):
         if not lines or bad:
             where = f"line {bad[0]} has no single tab" if bad else "it is empty"
             raise ValueError(f"{str(path)!r} is not a file of source<TAB>target lines: {where}")
+        if len(lines) < 2:
+            raise ValueError(f"{str(path)!r} has one line: at least 2 are needed (train and eval)")
         words = sorted({w for pair in lines for side in pair for w in side.split()})
         self.index = {w: i + 3 for i, w in enumerate(words)}
-        self.pairs = [(self._encode(s, length), self._encode(t, length)) for s, t in lines]
+        self.words = {i: w for w, i in self.index.items()}
         self.length, self.seed = length, seed
+        self.name = Path(path).stem
+        order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(derive_seed(seed, 8, 0))).tolist()
+        held = sorted(order[: min(held_out, max(len(lines) // 10, 1))])
+        kept = sorted(order[len(held) :])
+        encoded = [(self._encode(s, length), self._encode(t, length)) for s, t in lines]
+        self.pairs = [encoded[i] for i in kept]
+        batch = self._batch([encoded[i] for i in held])
+        references = tuple(" ".join(lines[i][1].split()) for i in held)
+        self.held = HeldOut(self.name, batch.source, batch.target_in, batch.target_out, references)
 
     @property
     def vocab(self) -> int:
         return len(self.index) + 3
+
+    @property
+    def pair_sizes(self) -> dict[str, int]:
+        return {self.name: len(self.pairs)}
 
     def _encode(self, text: str, length: int) -> list[int]:
         ids = [*[self.index[w] for w in text.split()][: length - 1], EOS]
@@ -510,13 +527,32 @@ class TextPairs(_Translation):
         total = sum(counts.values())
         return -sum(c / total * math.log(c / total) for c in counts.values())
 
+    @staticmethod
+    def _batch(rows: Sequence[tuple[list[int], list[int]]]) -> TranslationBatch:
+        src = torch.tensor([r[0] for r in rows])
+        tgt = torch.tensor([r[1] for r in rows])
+        bos = torch.full((len(rows), 1), BOS)
+        return TranslationBatch(src, torch.cat([bos, tgt[:, :-1]], dim=1), tgt)
+
     def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
         g = _generator(self.seed, split, step)
-        rows = torch.randint(0, len(self.pairs), (size,), generator=g).tolist()
-        src = torch.tensor([self.pairs[r][0] for r in rows])
-        tgt = torch.tensor([self.pairs[r][1] for r in rows])
-        bos = torch.full((size, 1), BOS)
-        return TranslationBatch(src, torch.cat([bos, tgt[:, :-1]], dim=1), tgt)
+        if split == "train":
+            rows = torch.randint(0, len(self.pairs), (size,), generator=g).tolist()
+            return self._batch([self.pairs[r] for r in rows])
+        picked = torch.randint(0, len(self.held), (size,), generator=g)
+        return TranslationBatch(self.held.source[picked], self.held.target_in[picked], self.held.target_out[picked])
+
+    def held_out(self) -> dict[str, HeldOut]:
+        return {self.name: self.held}
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        words = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i in self.words:
+                words.append(self.words[i])
+        return " ".join(words)
 
 
 @dataclass(frozen=True)
