@@ -8,10 +8,13 @@ and ``count`` (tokens or images, for the throughput), a ``unit`` naming what ``c
 several language pairs of very different sizes; in pair p a sentence of content tokens translates
 token by token through the pair's own permutation of the vocabulary, and the target starts with the
 pair's tag. Pairs are drawn with temperature-based sampling (:func:`gpipe.recipe.temperature_sampling`,
-T=5 by default), so the small pairs are seen far more often than their share.
+T=5 by default), so the small pairs are seen far more often than their share; :meth:`~SyntheticTranslation.write`
+writes it as text files.
 
-:class:`TextPairs` reads real pairs from a tab-separated file (source<TAB>target per line), with a
-whitespace vocabulary built from the file.
+:class:`ParallelCorpus` reads every language pair of a folder of parallel files, encoded with one
+shared SentencePiece vocabulary (:mod:`gpipe.vocab`), sampled the same way. :class:`TextPairs` reads
+one pair from a tab-separated file (source<TAB>target per line), with a whitespace vocabulary built
+from the file. All three are :class:`TranslationDataset` s: held-out sentences per pair, for BLEU.
 
 :class:`SyntheticImages` are class-structured images for AmoebaNet: every class has its own smooth
 random pattern; an image is its class's pattern, shifted, scaled in contrast and buried in noise.

@@ -12,8 +12,8 @@ SentencePiece vocabulary), beside the weights; the weights load into ``--partiti
 whatever the number the run trained with.
 
 Input: one sentence a line (stdin, or ``--input``); output: its translation on the same line
-number (stdout, or ``--output``); a blank line stays blank. The target language is ``--to``, or a
-line's leading tag ``<2xx>``, or the only language the model knows. Sources longer than the run's
+number (stdout, or ``--output``); a blank line stays blank. The target language is a line's leading
+tag ``<2xx>``, else ``--to``, else the only language the model knows. Sources longer than the run's
 ``--max-length`` are cut to it; a translation has at most twice the source's tokens + 10 (and at
 most ``--max-length``). Decoding is beam search (``--beam``, GNMT's length penalty
 ``--length-penalty``), or greedy with ``--beam 1``, through the pipeline's stages
@@ -172,7 +172,7 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
     parser.add_argument("--input", help="a file of sentences, one a line (default: standard input)")
     parser.add_argument("--output", help="the file to write the translations to (default: standard output)")
-    parser.add_argument("--to", help="the target language (default: a line's <2xx> tag, or the model's only one)")
+    parser.add_argument("--to", help="the target language of lines without a <2xx> tag (default: the model's only one)")
     parser.add_argument("--beam", type=int, default=4, help="beam size; 1: greedy (default: 4)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha of the length penalty (default: 0.6)")
     parser.add_argument("--batch", type=int, default=32, help="sentences decoded together (default: 32)")
