@@ -696,10 +696,10 @@ class Collectives:
 
     def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
         """A float tensor of ``shape`` known where the last stage is (``None`` elsewhere), on every
-        rank, as float32."""
+        rank (across ranks as float32; in one process as it is)."""
         if value is None:
             raise ValueError("the last stage runs in this process but gave no value")
-        return _shaped(value, shape).float()
+        return _shaped(value, shape)
 
 
 def _shaped(value: Tensor, shape: tuple[int, ...]) -> Tensor:

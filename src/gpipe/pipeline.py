@@ -178,7 +178,7 @@ class Pipeline(nn.Module):
 
     def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
         """A float tensor of ``shape`` (a scalar by default) known where the last stage runs
-        (``None`` elsewhere), on every rank, as float32."""
+        (``None`` elsewhere), on every rank (across ranks as float32)."""
         return self.engine.comm.from_last_stage(value, shape)
 
     def forward(self, inputs: Any) -> Any:
