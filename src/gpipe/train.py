@@ -13,9 +13,10 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
 
 Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair, see
 :mod:`gpipe.evaluation`); metrics go to ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and
-the curves to ``OUT/loss.png``; a checkpoint is written every ``--checkpoint-every`` steps, at the end, and on
-Ctrl-C. Batches and dropout are a pure function of (seed, step), so ``--resume`` reproduces the
-uninterrupted run's losses exactly.
+the curves to ``OUT/loss.png``; a checkpoint (torch.distributed.checkpoint: layers and optimizer
+state keyed by global layer index, see :class:`Checkpoints`) is written every ``--checkpoint-every``
+steps, at the end, and on Ctrl-C. Batches and dropout are a pure function of (seed, step), so
+``--resume`` reproduces the uninterrupted run's losses exactly, with another ``--partitions`` too.
 """
 
 from __future__ import annotations
