@@ -134,12 +134,28 @@ class TranslationBatch:
     count = tokens
 
 
+def entropy(counts: Counter[int]) -> float:
+    """The entropy (nats) of the distribution ``counts`` of tokens."""
+    total = sum(counts.values())
+    return -sum(c / total * math.log(c / total) for c in counts.values())
+
+
 class _Translation:
     unit = "tokens"
     baseline_name = "unigram entropy"
+    baseline_split = "train"  # the batches the unigram distribution is counted on
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
+        raise NotImplementedError
 
     def unigram_entropy(self) -> float:
-        raise NotImplementedError
+        """Entropy (nats) of the target tokens' unigram distribution, counted on 20 batches of 64:
+        the loss of a model that ignores its input."""
+        counts = Counter[int]()
+        for step in range(20):
+            target = self.batch(64, step, split=self.baseline_split).target_out
+            counts.update(target[target != PAD].tolist())
+        return entropy(counts)
 
     def baseline(self) -> float:
         """The unigram entropy of the targets (nats)."""
@@ -210,6 +226,8 @@ class SyntheticTranslation(_Translation):
     sentences (``held_out`` per pair) are others. :meth:`write` writes the corpus as text files
     (made-up words), the layout ``gpipe train --data DIR`` reads."""
 
+    baseline_split = "eval"
+
     def __init__(
         self,
         *,
@@ -246,16 +264,6 @@ class SyntheticTranslation(_Translation):
     @property
     def pair_sizes(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes))
-
-    def unigram_entropy(self) -> float:
-        """Entropy (nats) of the target tokens' unigram distribution: the loss of a model that
-        ignores its input."""
-        counts = Counter[int]()
-        for step in range(20):
-            target = self.batch(64, step, split="eval").target_out
-            counts.update(target[target != PAD].tolist())
-        total = sum(counts.values())
-        return -sum(c / total * math.log(c / total) for c in counts.values())
 
     def _sentence(self, pair: int, index: int) -> Tensor:
         """Content tokens (0 .. content-1) of the pair's sentence ``index``: training sentences are
@@ -441,14 +449,6 @@ class ParallelCorpus(_Translation):
     def pair_sizes(self) -> dict[str, int]:
         return {n: len(self.train[n]) for n in self.names}
 
-    def unigram_entropy(self) -> float:
-        counts = Counter[int]()
-        for step in range(20):
-            target = self.batch(64, step).target_out
-            counts.update(target[target != PAD].tolist())
-        total = sum(counts.values())
-        return -sum(c / total * math.log(c / total) for c in counts.values())
-
     def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
         g = _generator(self.seed, split, step)
         chosen = torch.multinomial(torch.tensor(self.probabilities), size, replacement=True, generator=g).tolist()
@@ -526,9 +526,8 @@ class TextPairs(_Translation):
         return ids + [PAD] * (length - len(ids))
 
     def unigram_entropy(self) -> float:
-        counts = Counter(t for _, tgt in self.pairs for t in tgt if t != PAD)
-        total = sum(counts.values())
-        return -sum(c / total * math.log(c / total) for c in counts.values())
+        """Entropy (nats) of all training targets' unigram distribution."""
+        return entropy(Counter(t for _, tgt in self.pairs for t in tgt if t != PAD))
 
     @staticmethod
     def _batch(rows: Sequence[tuple[list[int], list[int]]]) -> TranslationBatch:

@@ -17,7 +17,6 @@ transformers is imported only when these functions run: ``gpipe`` itself does no
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from gpipe.data import BOS, EOS, PAD, TextPairs, TranslationBatch
+from gpipe.data import BOS, EOS, PAD, TextPairs, TranslationBatch, entropy
 from gpipe.rng import derive_seed
 
 __all__ = [
@@ -261,9 +260,7 @@ class TextLines:
     def baseline(self) -> float:
         """The unigram entropy (nats) of the training targets: the loss of a model ignoring its input."""
         targets = self.splits["train"][:, 1:]
-        counts = Counter(targets[targets != PAD].tolist())
-        total = sum(counts.values())
-        return -sum(c / total * math.log(c / total) for c in counts.values())
+        return entropy(Counter(targets[targets != PAD].tolist()))
 
     def batch(self, size: int, step: int, *, split: str = "train") -> CausalBatch:
         if split not in self.splits:
