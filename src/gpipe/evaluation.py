@@ -30,7 +30,7 @@ from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
 from gpipe.decode import beam_search, greedy
 from gpipe.pipeline import Pipeline
 
-__all__ = ["bleu", "decode_limit", "evaluate", "resource_groups", "translate_held_out"]
+__all__ = ["bleu", "decode_batch", "evaluate", "resource_groups", "translate_held_out"]
 
 Loss = Callable[..., Tensor]
 
@@ -52,10 +52,16 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
-def decode_limit(source_tokens: int) -> int:
-    """The most tokens decoded for sources of up to ``source_tokens`` tokens: 2 x + 10 (and at most
-    the model's length), so that a sentence that never says EOS costs a bounded number of steps."""
-    return 2 * source_tokens + 10
+def decode_batch(
+    model: Any, source: Tensor, start: Tensor, *, max_len: int, beam: int = 1, length_penalty: float = 0.6
+) -> Tensor:
+    """Token ids of the translations of ``source`` (padded with PAD): greedy with ``beam`` 1, else
+    beam search; at most twice the longest source's tokens + 10, and at most ``max_len``, so that a
+    sentence that never says EOS costs a bounded number of steps."""
+    limit = min(max_len, 2 * int((source != PAD).sum(1).max()) + 10)
+    if beam == 1:
+        return greedy(model, source, start, max_len=limit)
+    return beam_search(model, source, start, beam=beam, max_len=limit, length_penalty=length_penalty)
 
 
 def translate_held_out(
@@ -68,16 +74,12 @@ def translate_held_out(
     beam: int = 1,
     length_penalty: float = 0.6,
 ) -> list[str]:
-    """The translations of ``held``'s sentences, ``batch`` at a time, as text: each batch decodes
-    at most :func:`decode_limit` of its longest source's tokens, and at most ``max_len``."""
+    """The translations of ``held``'s sentences, ``batch`` at a time (:func:`decode_batch`), as text."""
     texts: list[str] = []
     for first in range(0, len(held), batch):
-        source, start = held.source[first : first + batch], held.start[first : first + batch]
-        longest = min(max_len, decode_limit(int((source != PAD).sum(1).max())))
-        if beam == 1:
-            ids = greedy(model, source, start, max_len=longest)
-        else:
-            ids = beam_search(model, source, start, beam=beam, max_len=longest, length_penalty=length_penalty)
+        rows = slice(first, first + batch)
+        ids = decode_batch(model, held.source[rows], held.start[rows], max_len=max_len, beam=beam,
+                           length_penalty=length_penalty)  # fmt: skip
         texts += [detokenize(row) for row in ids.tolist()]
     return texts
 

@@ -38,9 +38,8 @@ import torch.distributed as dist
 from gpipe.balance import balance_by_flops
 from gpipe.cli import ArgumentParser, UsageError
 from gpipe.data import EOS, PAD
-from gpipe.decode import beam_search, greedy
 from gpipe.distributed import init_from_env
-from gpipe.evaluation import decode_limit
+from gpipe.evaluation import decode_batch
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, latest, load
 from gpipe.vocab import Vocab
@@ -155,11 +154,7 @@ class Translator:
             longest = max(len(encoded[i][0]) for i in rows)
             source = torch.tensor([[*encoded[i][0], *[PAD] * (longest - len(encoded[i][0]))] for i in rows])
             start = torch.tensor([encoded[i][1] for i in rows])
-            limit = min(self.length, decode_limit(longest))
-            if beam == 1:
-                ids = greedy(self.pipe, source, start, max_len=limit)
-            else:
-                ids = beam_search(self.pipe, source, start, beam=beam, max_len=limit, length_penalty=length_penalty)
+            ids = decode_batch(self.pipe, source, start, max_len=self.length, beam=beam, length_penalty=length_penalty)
             for i, row in zip(rows, ids.tolist()):
                 out[i] = self.vocab.decode(row[: row.index(EOS)] if EOS in row else row)
         return out
