@@ -27,6 +27,7 @@ uninterrupted run sees.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -290,6 +291,10 @@ class SyntheticTranslation(_Translation):
         return self._encode(pairs, indices)
 
     def held_out(self) -> dict[str, HeldOut]:
+        return dict(self._held_sets)
+
+    @functools.cached_property
+    def _held_sets(self) -> dict[str, HeldOut]:  # (encoded once, not at every evaluation)
         sets = {}
         for p, name in enumerate(self.names):
             indices = range(self.sizes[p], self.sizes[p] + self.held)
