@@ -17,7 +17,7 @@ Layout of a checkpoint directory::
         __0_0.distcp          the entries of rank 0 (one data file per writing rank)
         __1_0.distcp
         manifest.json         gpipe's: format, step, number of layers, optimizer class; written last
-        optimizer-rank0.pt    files given by ``extra=``, if any
+        run.json              files given by ``extra=``, if any (gpipe train: run.json, scheduler.json)
 
 The entries (DCP's keys)::
 
