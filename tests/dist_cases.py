@@ -143,7 +143,10 @@ def die_on(rank: int, after: float) -> None:
 
 
 def _train(pipe: Pipeline, steps: int) -> list[torch.Tensor]:
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    return _steps(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), steps)
+
+
+def _steps(pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
     x, y = data()
     losses = []
     for _ in range(steps):
@@ -636,16 +639,6 @@ def generator_unet() -> nn.Sequential:
 # Checkpoints with the optimizer's state (torch.distributed.checkpoint), keyed by parameter name.
 
 
-def _adam_steps(pipe: Pipeline, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
-    x, y = data()
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        losses.append(pipe.step(x, y))
-        optimizer.step()
-    return losses
-
-
 def train_and_save_with_optimizer(
     directory: str, steps: int, asynchronous: bool = False, dp: int = 1
 ) -> dict[str, Any]:
@@ -658,15 +651,15 @@ def train_and_save_with_optimizer(
     model = mlp()
     pipe = Pipeline(model, even(len(model), world // dp), chunks=4, loss_fn=F.mse_loss, data_parallel=dp)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-    _adam_steps(pipe, optimizer, steps)
+    _steps(pipe, optimizer, steps)
     saved = {k: v.clone() for k, v in layer_state(pipe).items()}
     if asynchronous:
         handle = save_checkpoint(pipe, directory, steps, optimizer=optimizer, asynchronous=True)
-        next_loss = _adam_steps(pipe, optimizer, 1)[0]  # changes the weights while they are written
+        next_loss = _steps(pipe, optimizer, 1)[0]  # changes the weights while they are written
         handle.wait()
     else:
         save_checkpoint(pipe, directory, steps, optimizer=optimizer)
-        next_loss = _adam_steps(pipe, optimizer, 1)[0]
+        next_loss = _steps(pipe, optimizer, 1)[0]
     after = {k: v.clone() for k, v in layer_state(pipe).items()}
     return {"saved": saved, "next": next_loss, "after": after, "dp_rank": pipe.dp_rank}
 
@@ -684,5 +677,5 @@ def load_with_optimizer_and_step(directory: str, workers: int = 0) -> dict[str, 
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.5)
     step = load_checkpoint(pipe, directory, optimizer=optimizer)
     loaded = {k: v.clone() for k, v in layer_state(pipe).items()}
-    next_loss = _adam_steps(pipe, optimizer, 1)[0]
+    next_loss = _steps(pipe, optimizer, 1)[0]
     return {"step": step, "loaded": loaded, "next": next_loss, "after": dict(layer_state(pipe))}
