@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe import Pipeline
-from gpipe.planner import AutoPlanner
+from gpipe.runtime.planner import AutoPlanner
 from gpipe.schedule import kind_cost, render_timeline, simulate
 from gpipe.schedule.generate import SCHEDULES as GENERATORS
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from gpipe import GPipe, Pipeline
-from gpipe.stage import Stage
+from gpipe.runtime.stage import Stage
 from tests.dist_cases import masked_data, masked_loss, masked_model
 from tests.dist_harness import run_ranks
 from tests.helpers import assert_all_close, grads

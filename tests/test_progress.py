@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from gpipe.progress import LineProgress, is_terminal, progress
 from gpipe.train import TrainConfig, train
+from gpipe.train.progress import LineProgress, is_terminal, progress
 
 
 class Terminal(io.StringIO):

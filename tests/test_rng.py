@@ -133,7 +133,8 @@ def test_layer_that_starts_drawing_later_is_noticed_then_seeded() -> None:
 
 def test_layers_that_draw_nothing_are_not_lent_a_generator(monkeypatch: pytest.MonkeyPatch) -> None:
     """After their first call, layers that draw nothing are called plainly: no seeding, no lock."""
-    from gpipe import rng, stage
+    from gpipe import rng
+    from gpipe.runtime import stage
 
     lent: list[int] = []
     real = rng.Seeded

@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe import AutoSchedule, Pipeline, load_checkpoint, save_checkpoint
-from gpipe.planner import AutoPlanner, mixed_backwards
+from gpipe.runtime.planner import AutoPlanner, mixed_backwards
 from gpipe.saving import layer_state
 from gpipe.schedule import SCHEDULES, Schedule, StageCosts, peak_memory, plan, validate
 from gpipe.schedule.ir import Action, B, round_robin

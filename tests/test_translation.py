@@ -13,11 +13,11 @@ import torch
 
 from gpipe.cli import main
 from gpipe.data import EOS, ParallelCorpus, SyntheticTranslation
+from gpipe.data.vocab import Vocab, train_vocab
 from gpipe.evaluation import bleu, resource_groups
 from gpipe.recipe import temperature_sampling
 from gpipe.train import TrainConfig, train
 from gpipe.translate import Translator
-from gpipe.vocab import Vocab, train_vocab
 
 SIZES = (1500, 300, 60)
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe.recipe import temperature_sampling
-from gpipe.vocab import (
+from gpipe.data.vocab import (
     BOS,
     EOS,
     PAD,
@@ -20,6 +19,7 @@ from gpipe.vocab import (
     sample_text,
     train_vocab,
 )
+from gpipe.recipe import temperature_sampling
 
 SYLLABLES = {
     "en": ["the", "an", "or", "is", "wa", "ter", "ing", "ed", "st"],

@@ -10,12 +10,12 @@ from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
 from gpipe.pipeline import Pipeline
-from gpipe.planner import AutoSchedule
+from gpipe.runtime.planner import AutoSchedule
+from gpipe.runtime.trace import StepTrace
 from gpipe.saving import load as load_checkpoint
 from gpipe.saving import save as save_checkpoint
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, simulate
 from gpipe.sequential import ToSequentialError, to_sequential
-from gpipe.trace import StepTrace
 
 __all__ = [
     "AutoSchedule",

@@ -12,7 +12,7 @@ bubble and the loss of every step.
 schedule's bubble and peak in-flight activations and draws its timeline.
 
 ``gpipe vocab --data DIR --size N`` trains one SentencePiece vocabulary for every language pair in DIR,
-on text sampled with temperature T=5 (see :mod:`gpipe.vocab`).
+on text sampled with temperature T=5 (see :mod:`gpipe.data.vocab`).
 
 ``gpipe corpus --out DIR`` writes the built-in synthetic multilingual corpus as parallel text files
 (the layout ``gpipe train --data DIR`` reads), to try the translation workflow without data.
@@ -299,7 +299,7 @@ def vocab(args: argparse.Namespace) -> int:
     """``gpipe vocab``: the shared vocabulary of a directory of language pairs, and the pairs' shares."""
     from pathlib import Path
 
-    from gpipe import vocab as vocabulary
+    from gpipe.data import vocab as vocabulary
 
     try:
         pairs = vocabulary.read_pairs(args.data)

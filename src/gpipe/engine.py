@@ -3,7 +3,7 @@
 :func:`build` does it once — in one process (every worker a device here) or as one rank of
 torch.distributed (with data parallelism beside the pipeline on a 2-D DeviceMesh) — in this order:
 how many workers; the balance (``'auto'``: timed on rank 0, shared); the schedule's placement
-(:class:`~gpipe.placement.Placement`); the stages, each materialized only where it is placed; the tied
+(:class:`~gpipe.runtime.placement.Placement`); the stages, each materialized only where it is placed; the tied
 parameters and, under torch.distributed, their process groups; the transport; the executor; and the
 step's collectives (:class:`~gpipe.distributed.Collectives`, nothing to do in one process).
 ``Pipeline`` and ``GPipe`` are front ends over the :class:`Engine` this returns.
@@ -24,13 +24,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe.distributed import ChannelTransport, Collectives, RankCollectives, collective, start_heartbeat, tie_name
-from gpipe.executor import Executor
-from gpipe.partition import Layers, auto_balance, check_balance, partition, resolve_devices
-from gpipe.placement import Placement
-from gpipe.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
+from gpipe.runtime.executor import Executor
+from gpipe.runtime.partition import Layers, auto_balance, check_balance, partition, resolve_devices
+from gpipe.runtime.placement import Placement
+from gpipe.runtime.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
+from gpipe.runtime.stage import LossFn, Stage
 from gpipe.schedule.generate import make_schedule
 from gpipe.schedule.ir import round_robin, v_shape
-from gpipe.stage import LossFn, Stage
 from gpipe.tied import Tie, layer_at, local_ties, names, with_shared
 
 __all__ = ["Engine", "build", "placement_of", "planner_of"]

@@ -19,15 +19,15 @@ from torch import Tensor, nn
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import Collectives
 from gpipe.engine import Engine, build
-from gpipe.executor import Executor, StepRun
 from gpipe.microbatch import Batch, concat, flatten, gather, scatter
-from gpipe.partition import as_balance, check_chunks
-from gpipe.placement import Placement
-from gpipe.planner import FixedPlanner
 from gpipe.rng import step_seed
+from gpipe.runtime.executor import Executor, StepRun
+from gpipe.runtime.partition import as_balance, check_chunks
+from gpipe.runtime.placement import Placement
+from gpipe.runtime.planner import FixedPlanner
+from gpipe.runtime.stage import Grads, StepContext
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.sequential import as_layers
-from gpipe.stage import Grads, StepContext
 from gpipe.tied import Tie
 
 __all__ = ["GPipe", "MovingPartitionError"]

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from gpipe.balance import balance_by_flops
 from gpipe.cli import ArgumentParser, UsageError
 from gpipe.data import EOS, PAD
+from gpipe.data.vocab import Vocab
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decode_batch
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, latest, load
-from gpipe.vocab import Vocab
 
 __all__ = ["Translator", "find_checkpoint", "main"]
 

@@ -28,7 +28,7 @@ from gpipe.bench.common import (
     workloads,
 )
 from gpipe.pipeline import Pipeline
-from gpipe.planner import AutoPlanner
+from gpipe.runtime.planner import AutoPlanner
 
 
 def _barrier() -> None:

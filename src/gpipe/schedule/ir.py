@@ -19,7 +19,7 @@ Dependencies are implied by the model and are the same for every schedule::
 A schedule also says where every stage lives: ``placement[s]`` is the worker that holds stage ``s``
 (its layers, its activations, its gradients). Everything that places stages — partitioning, tied
 parameters, saving, the executors' transports — reads it from here (through
-:class:`gpipe.placement.Placement`); a V-shaped schedule (stage ``s`` and ``2K-1-s`` on one worker) thus
+:class:`gpipe.runtime.placement.Placement`); a V-shaped schedule (stage ``s`` and ``2K-1-s`` on one worker) thus
 runs with no special case anywhere else. With virtual stages a worker holds several stages.
 Schedules are generated (:mod:`gpipe.schedule.generate`), validated here, simulated
 (:mod:`gpipe.schedule.simulate`) and then executed; executors only ever see this IR.

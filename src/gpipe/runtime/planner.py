@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe.executor import TraceEvent
 from gpipe.memory import ActivationMeter
+from gpipe.runtime.executor import TraceEvent
 from gpipe.schedule.auto import Plan, StageCosts, plan
 from gpipe.schedule.generate import make_schedule
 from gpipe.schedule.ir import Action, ActionKind, Schedule, dependencies, validate

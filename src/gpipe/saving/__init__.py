@@ -108,7 +108,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.engine import Engine
-from gpipe.stage import Stage
+from gpipe.runtime.stage import Stage
 
 if TYPE_CHECKING:
     import io

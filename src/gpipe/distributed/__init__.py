@@ -1,7 +1,7 @@
 """One process per pipeline worker over torch.distributed: the transport between ranks.
 
 Every rank runs its own list of actions from the same schedule IR, in the calling thread, with the
-same executor as one process (:class:`gpipe.executor.Executor`); only the hand-over between stages
+same executor as one process (:class:`gpipe.runtime.executor.Executor`); only the hand-over between stages
 differs, and that is this module's :class:`ChannelTransport`. An activation or a
 gradient whose consumer lives on another rank travels over a *channel*: one per (source rank,
 destination rank, activations|gradients), each with its own two-rank process group, so that every
@@ -59,10 +59,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from gpipe.executor import Mailbox, StepRun, Transport
 from gpipe.microbatch import Batch, batch_size, flat_spec, is_flat_spec, scatter
-from gpipe.placement import Placement
 from gpipe.rng import step_seed
+from gpipe.runtime.executor import Mailbox, StepRun, Transport
+from gpipe.runtime.placement import Placement
 from gpipe.schedule.ir import ActionKind, Schedule
 from gpipe.tied import Tie
 

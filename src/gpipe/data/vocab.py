@@ -200,7 +200,7 @@ def _sentencepiece() -> Any:
     try:
         import sentencepiece
     except ImportError:
-        raise ImportError("gpipe.vocab needs sentencepiece: pip install sentencepiece") from None
+        raise ImportError("gpipe.data.vocab needs sentencepiece: pip install sentencepiece") from None
     return sentencepiece
 
 

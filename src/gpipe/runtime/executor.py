@@ -4,7 +4,7 @@ One action loop serves every setting; how values move between workers is a *tran
 :class:`Transport` (this module) keeps everything in one process: a value lands in a mailbox and the
 consuming stage moves it to its device. :class:`gpipe.distributed.ChannelTransport` sends what a stage
 on another rank consumes over torch.distributed. Which worker holds which stage, and which workers
-this process runs, is the pipeline's :class:`~gpipe.placement.Placement`.
+this process runs, is the pipeline's :class:`~gpipe.runtime.placement.Placement`.
 
 When this process runs several workers, each gets a thread of its own; a worker runs its list of actions from the
 schedule IR in order and waits only for the data an action consumes (an activation from the previous
@@ -39,10 +39,10 @@ import torch
 
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch
-from gpipe.placement import Placement
 from gpipe.rng import Watch
+from gpipe.runtime.placement import Placement
+from gpipe.runtime.stage import Grads, Saved, Stage, StepContext
 from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
-from gpipe.stage import Grads, Saved, Stage, StepContext
 
 __all__ = ["Executor", "Mailbox", "StepRun", "TraceEvent", "Transport"]
 

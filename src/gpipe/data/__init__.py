@@ -12,7 +12,7 @@ T=5 by default), so the small pairs are seen far more often than their share; :m
 writes it as text files.
 
 :class:`ParallelCorpus` reads every language pair of a folder of parallel files, encoded with one
-shared SentencePiece vocabulary (:mod:`gpipe.vocab`), sampled the same way. :class:`TextPairs` reads
+shared SentencePiece vocabulary (:mod:`gpipe.data.vocab`), sampled the same way. :class:`TextPairs` reads
 one pair from a tab-separated file (source<TAB>target per line), with a whitespace vocabulary built
 from the file. All three are :class:`TranslationDataset` s: held-out sentences per pair, for BLEU.
 
@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
+from gpipe.data.vocab import Vocab, read_pairs
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
-from gpipe.vocab import Vocab, read_pairs
 
 
 class DataBatch(Protocol):
@@ -355,8 +355,8 @@ def _lexicon(lang: str, size: int, seed: int) -> list[str]:
 
 
 class ParallelCorpus(_Translation):
-    """Every language pair of a data directory (see :func:`gpipe.vocab.read_pairs` for the file
-    names), encoded with one shared SentencePiece :class:`~gpipe.vocab.Vocab`: each side's pieces
+    """Every language pair of a data directory (see :func:`gpipe.data.vocab.read_pairs` for the file
+    names), encoded with one shared SentencePiece :class:`~gpipe.data.vocab.Vocab`: each side's pieces
     and EOS, the target starting with its language's tag ``<2xx>``.
 
     Training batches draw a pair per sentence with temperature T (p_l ∝ (D_l/ΣD)^(1/T)), then one

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe.executor import TraceEvent
+from gpipe.runtime.executor import TraceEvent
 from gpipe.schedule.ir import Action, Schedule
 from gpipe.schedule.simulate import Simulation
 

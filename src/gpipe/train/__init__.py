@@ -60,6 +60,7 @@ from gpipe.data import (
     TokenDataset,
     TranslationDataset,
 )
+from gpipe.data.vocab import Vocab, read_pairs, train_vocab
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import evaluate, resource_groups
 from gpipe.models import amoebanet_d, hf, transformer
@@ -76,7 +77,6 @@ from gpipe.rng import derive_seed
 from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.schedule import SCHEDULES, simulate
 from gpipe.sequential import to_sequential
-from gpipe.vocab import Vocab, read_pairs, train_vocab
 
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "parse", "train"]
 
@@ -810,7 +810,7 @@ def _progress(cfg: TrainConfig, start: int) -> Any:
     """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds."""
     if not cfg.progress or _rank() != 0:
         return None
-    from gpipe.progress import progress
+    from gpipe.train.progress import progress
 
     return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 

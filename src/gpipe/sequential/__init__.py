@@ -771,7 +771,7 @@ def _cut(
         _adopt_owners(module, layer, root)
         init = getattr(module, "_init_weights", None)  # a Hugging Face model's own initialization
         if callable(init):
-            layer.__dict__["gpipe_init"] = _Shared(_ApplyInit(init))  # (see gpipe.partition.materialize)
+            layer.__dict__["gpipe_init"] = _Shared(_ApplyInit(init))  # (see gpipe.runtime.partition.materialize)
         layers.append(layer)
     return nn.Sequential(*layers)
 
