@@ -33,29 +33,16 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
 
 import torch
 from torch import nn
 
+from gpipe.commands.args import ArgumentParser, UsageError
 from gpipe.gpipe import GPipe
 from gpipe.schedule import SCHEDULES, StageCosts, kind_cost, make_schedule, plan, render_timeline, simulate
 from gpipe.schedule.render import check_timeline_path
 
 __all__ = ["ArgumentParser", "UsageError", "main"]
-
-
-class UsageError(ValueError):
-    """A bad flag or setting, found before any work starts: the commands print it as one line
-    ``error: ...`` and exit with status 2. (Other exceptions keep their traceback: they are bugs.)"""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An ``argparse`` parser whose errors are a :class:`UsageError` (one line, no usage dump)
-    instead of ``SystemExit``."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
 
 
 def _demo_model(width: int, depth: int, classes: int) -> nn.Sequential:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
-from gpipe.cli import ArgumentParser, UsageError
+from gpipe.commands.args import ArgumentParser, UsageError
 from gpipe.data import EOS, PAD
 from gpipe.data.vocab import Vocab
 from gpipe.distributed import init_from_env

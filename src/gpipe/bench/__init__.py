@@ -29,7 +29,7 @@ import torch
 
 from gpipe.bench import engine, memory, overhead, peers, throughput
 from gpipe.bench.common import Bench, Section
-from gpipe.cli import ArgumentParser
+from gpipe.commands.args import ArgumentParser
 
 __all__ = ["SECTIONS", "main", "run"]
 

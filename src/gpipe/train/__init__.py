@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli import ArgumentParser, UsageError
+from gpipe.commands.args import ArgumentParser, UsageError
 from gpipe.data import (
     PAD,
     Dataset,

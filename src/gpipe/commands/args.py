@@ -1,0 +1,26 @@
+"""What every command shares: the usage error that ends a command with one line and exit status 2,
+and an ``argparse`` parser that raises it.
+
+Below every command (``gpipe train``, ``translate``, ``bench``, the small ones in
+:mod:`gpipe.commands`) and the dispatcher :mod:`gpipe.cli`; imports nothing of gpipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+__all__ = ["ArgumentParser", "UsageError"]
+
+
+class UsageError(ValueError):
+    """A bad flag or setting, found before any work starts: the commands print it as one line
+    ``error: ...`` and exit with status 2. (Other exceptions keep their traceback: they are bugs.)"""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose errors are a :class:`UsageError` (one line, no usage dump)
+    instead of ``SystemExit``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
