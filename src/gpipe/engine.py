@@ -24,11 +24,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from gpipe.distributed import ChannelTransport, Collectives, RankCollectives, collective, start_heartbeat, tie_name
+from gpipe.runtime.context import LossFn
 from gpipe.runtime.executor import Executor
 from gpipe.runtime.partition import Layers, auto_balance, check_balance, partition, resolve_devices
 from gpipe.runtime.placement import Placement
 from gpipe.runtime.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
-from gpipe.runtime.stage import LossFn, Stage
+from gpipe.runtime.stage import Stage
 from gpipe.schedule.generate import make_schedule
 from gpipe.schedule.ir import round_robin, v_shape
 from gpipe.tied import Tie, layer_at, local_ties, names, with_shared

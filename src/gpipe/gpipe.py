@@ -21,11 +21,11 @@ from gpipe.distributed import Collectives
 from gpipe.engine import Engine, build
 from gpipe.microbatch import Batch, concat, flatten, gather, scatter
 from gpipe.rng import step_seed
+from gpipe.runtime.context import Grads, StepContext
 from gpipe.runtime.executor import Executor, StepRun
 from gpipe.runtime.partition import as_balance, check_chunks
 from gpipe.runtime.placement import Placement
 from gpipe.runtime.planner import FixedPlanner
-from gpipe.runtime.stage import Grads, StepContext
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.sequential import as_layers
 from gpipe.tied import Tie

@@ -22,9 +22,9 @@ from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import init_from_env
 from gpipe.engine import build
 from gpipe.microbatch import batch_size, gather, scatter, scatter_pair
+from gpipe.runtime.context import LossFn, StepContext, loss_scale
 from gpipe.runtime.partition import Layers, as_balance, check_chunks
 from gpipe.runtime.planner import AutoSchedule
-from gpipe.runtime.stage import LossFn, StepContext, loss_scale
 from gpipe.runtime.trace import StepTrace
 from gpipe.schedule.generate import SCHEDULES
 from gpipe.schedule.ir import Schedule

@@ -8,9 +8,10 @@ Below every command (``gpipe train``, ``translate``, ``bench``, the small ones i
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "UsageError"]
+__all__ = ["ArgumentParser", "UsageError", "positive", "refuse"]
 
 
 class UsageError(ValueError):
@@ -24,3 +25,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
+
+
+def refuse(error: BaseException) -> int:
+    """Print ``error`` as the one line ``error: ...`` on standard error; the exit status 2."""
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse any of the flags ``names`` (set on ``args``) that is not positive."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")

@@ -40,8 +40,9 @@ import torch
 from gpipe.memory import ActivationMeter
 from gpipe.microbatch import Batch
 from gpipe.rng import Watch
+from gpipe.runtime.context import Grads, Saved, StepContext
 from gpipe.runtime.placement import Placement
-from gpipe.runtime.stage import Grads, Saved, Stage, StepContext
+from gpipe.runtime.stage import Stage
 from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
 
 __all__ = ["Executor", "Mailbox", "StepRun", "TraceEvent", "Transport"]

@@ -30,104 +30,29 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.module import (
-    _global_forward_hooks,
-    _global_forward_hooks_always_called,
-    _global_forward_hooks_with_kwargs,
-    _global_forward_pre_hooks,
-)
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from gpipe import skip
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import checkpointing, recomputing
 from gpipe.microbatch import Batch
 from gpipe.rng import Seeded, derive_seed, may_draw
+from gpipe.runtime.context import Grads, LossFn, Saved, StepContext
+from gpipe.runtime.hooks import _hooked, _PartitionCall
+from gpipe.runtime.inplace import _InPlace
 
-__all__: list[str] = []
-
-AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
-LossFn = Callable[[Any, Any], Tensor]
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What every stage of one step needs to know, captured from the caller's thread."""
-
-    seed: int
-    num_microbatches: int
-    checkpoint_stop: int
-    grad_enabled: bool
-    training: bool
-    autocast: tuple[tuple[str, torch.dtype, bool], ...]
-    targets: Sequence[Any] | None = None
-    loss_scale: Sequence[float] | None = None
-
-    @staticmethod
-    def capture(
-        *,
-        num_microbatches: int,
-        checkpoint_stop: int,
-        training: bool,
-        seed: int,
-        targets: Sequence[Any] | None = None,
-        loss_scale: Sequence[float] | None = None,
-    ) -> StepContext:
-        grad = torch.is_grad_enabled()
-        autocast = tuple(
-            (dt, torch.get_autocast_dtype(dt), torch.is_autocast_enabled(dt)) for dt in AUTOCAST_DEVICE_TYPES
-        )
-        stop = checkpoint_stop if grad and training else 0
-        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale)
-
-    @contextmanager
-    def applied(self, device: torch.device) -> Iterator[None]:
-        """Enter the caller's autocast state (and the stage's CUDA device) on a worker thread."""
-        with ExitStack() as stack:
-            if device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-            for device_type, dtype, enabled in self.autocast:
-                if enabled or torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            yield
-
-
-Grads = tuple[Tensor | None, ...]
-
-
-@dataclass
-class Saved:
-    """What a forward keeps for its backward.
-
-    ``inputs``: the stage's input leaves. ``outputs``: the outputs with their autograd graph, unless
-    re-materialized. ``tape``: for a split backward, each layer's (input leaves, outputs).
-    ``output_grads``: after I, each taped layer's output gradients, for W; ``weight_grads``: the
-    weight gradients I already computed, for layers whose backward cannot be split (compiled ones).
-    """
-
-    inputs: Batch
-    outputs: Batch | None
-    tape: list[tuple[Batch, Batch]] | None = None
-    output_grads: list[Grads] = field(default_factory=list)
-    weight_grads: dict[int, Grads] = field(default_factory=dict)
+__all__ = ["Stage"]
 
 
 def _leaf(t: Tensor) -> Tensor:
     """A fresh autograd leaf with ``t``'s values, requiring grad where ``t`` does."""
     return t.detach().requires_grad_(t.requires_grad)
-
-
-def _clone(t: Tensor) -> Tensor:
-    return t.clone()
 
 
 def _differentiable(v: Any) -> bool:
@@ -168,149 +93,6 @@ def _stats_of(norm: _NormBase) -> list[Tensor]:
 
 def _keep(t: Tensor) -> Tensor:
     return t
-
-
-class _InPlace:
-    """Which stage inputs a stage's layers modify in place, learned per *entry* (the stage's own
-    input, or under a split backward each layer's input) and per training mode.
-
-    A stage input is an autograd leaf (autograd refuses in-place changes to a leaf that requires
-    grad) and, when the micro-batch is re-materialized, the very tensor the recomputation starts
-    from. So the first time an entry is met, every tensor entering there is cloned and the clones'
-    version counters tell which ones a layer modified; from then on exactly those are cloned. A
-    change in place that appears later is still caught: by autograd, or by the inputs' version
-    counters, with a message naming the stage and the way out.
-    """
-
-    def __init__(self) -> None:
-        self.known: dict[tuple[int, bool], tuple[int, ...]] = {}
-
-    def feed(self, entry: int, training: bool, state: Batch) -> tuple[Batch, Any]:
-        """What to hand the layers at ``entry``, and a token for :meth:`check`."""
-        cloned = self.known.get((entry, training))
-        if cloned is None:  # first time here: clone everything, find out
-            return state.map(_clone), None
-        versions = tuple(v._version if isinstance(v, Tensor) else 0 for v in state.values)
-        if cloned:
-            values = tuple(_clone(v) if i in cloned else v for i, v in enumerate(state.values))
-            state = Batch(values, state.spec, state.skips, state.needs_grad)
-        return state, versions
-
-    def check(self, entry: int, training: bool, given: Batch, fed: Batch, token: Any, where: Callable[[], str]) -> None:
-        """After the layers ran: learn (first time) or verify that no un-cloned input changed
-        (``where()`` names the place, for the error)."""
-        if token is None:
-            changed = tuple(i for i, v in enumerate(fed.values) if isinstance(v, Tensor) and v._version)
-            self.known[(entry, training)] = changed
-            return
-        for i, (v, before) in enumerate(zip(given.values, token)):
-            if isinstance(v, Tensor) and v._version != before and i not in self.known[(entry, training)]:
-                raise RuntimeError(
-                    f"{where()} modified its input {i} in place, which it did not do on its first run "
-                    "(so gpipe did not protect it): the input a re-materialized micro-batch is recomputed "
-                    "from is now lost. Make the in-place operation unconditional or out of place "
-                    "(e.g. inplace=False)"
-                )
-
-
-class _PartitionCall:
-    """The forward hooks of one call of a partition, run around the stage's layers as
-    ``nn.Module.__call__`` runs them (torch's global module hooks first): :meth:`enter` runs the
-    pre-hooks on the partition's input, :meth:`exit` the hooks on its output, :meth:`failed` those
-    registered with ``always_call=True`` that did not run when a layer raised."""
-
-    def __init__(self, module: nn.Module, index: int) -> None:
-        if module._backward_hooks or module._backward_pre_hooks:
-            raise RuntimeError(
-                f"partition {index} has a backward hook, which gpipe does not run: the stage calls the "
-                "partition's layers one by one, not the partition. Register it on a layer of the "
-                "partition (or on a tensor, with Tensor.register_hook) instead"
-            )
-        self.module = module
-        self.index = index
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] = {}
-        self.called: set[int] = set()  # the always_call hooks that ran
-        self.output: Any = None  # the output the hooks have made so far
-
-    def enter(self, value: Any) -> Any:
-        """The partition's input after its forward pre-hooks."""
-        module = self.module
-        args: tuple[Any, ...] = (value,)
-        kwargs: dict[str, Any] = {}
-        self.args = args
-        for hook_id, hook in (*_global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()):
-            if hook_id in module._forward_pre_hooks_with_kwargs:
-                result = hook(module, args, kwargs)
-                if result is not None:
-                    if not (isinstance(result, tuple) and len(result) == 2):
-                        raise RuntimeError(
-                            f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result}."
-                        )
-                    args, kwargs = result
-            else:
-                result = hook(module, args)
-                if result is not None:
-                    args = result if isinstance(result, tuple) else (result,)
-            self.args, self.kwargs = args, kwargs
-        if len(args) != 1 or kwargs:
-            given = f"{len(args)} positional arguments" + (f" and keyword arguments {sorted(kwargs)}" if kwargs else "")
-            raise TypeError(
-                f"the forward pre-hooks of partition {self.index} give it {given}, but an nn.Sequential takes "
-                "one input (to pass several values, return ((a, b),) from the hook)"
-            )
-        return args[0]
-
-    def exit(self, output: Any) -> Any:
-        """The partition's output after its forward hooks."""
-        module = self.module
-        self.output = output
-        for hook_id, hook in (*_global_forward_hooks.items(), *module._forward_hooks.items()):
-            if hook_id in module._forward_hooks_always_called or hook_id in _global_forward_hooks_always_called:
-                self.called.add(hook_id)
-            if hook_id in module._forward_hooks_with_kwargs or hook_id in _global_forward_hooks_with_kwargs:
-                result = hook(module, self.args, self.kwargs, output)
-            else:
-                result = hook(module, self.args, output)
-            if result is not None:
-                self.output = output = result
-        return output
-
-    def failed(self) -> None:
-        """The partition's forward raised: run its ``always_call`` forward hooks that did not run,
-        with the output so far (None if its layers raised; an exception from one of these hooks is
-        a warning: the original one propagates)."""
-        module = self.module
-        for hooks, always, kwarg_ids in (
-            (_global_forward_hooks, _global_forward_hooks_always_called, _global_forward_hooks_with_kwargs),
-            (module._forward_hooks, module._forward_hooks_always_called, module._forward_hooks_with_kwargs),
-        ):
-            for hook_id, hook in list(hooks.items()):
-                if hook_id not in always or hook_id in self.called:
-                    continue
-                self.called.add(hook_id)
-                try:
-                    if hook_id in kwarg_ids:
-                        hook(module, self.args, self.kwargs, self.output)
-                    else:
-                        hook(module, self.args, self.output)
-                except Exception as exc:
-                    warnings.warn(
-                        "module forward hook with ``always_call=True`` raised an exception that was silenced "
-                        f"as another error was raised in forward: {exc}",
-                        stacklevel=2,
-                    )
-
-
-def _hooked(layers: list[Callable[[Any], Any]], n: int, call: _PartitionCall) -> list[Callable[[Any], Any]]:
-    """``layers`` (the partition's ``n`` layers, then maybe the loss) with the partition's forward
-    hooks around its layers: the pre-hooks run in the first one's call, the hooks in the last one's."""
-    if n:
-        first = layers[0]
-        layers[0] = lambda value: first(call.enter(value))
-        last = layers[n - 1]  # (the wrapped first one, if it is the last too)
-        layers[n - 1] = lambda value: call.exit(last(value))
-    return layers
 
 
 class Stage:
@@ -613,19 +395,3 @@ class Stage:
         """All forwards of the step are done: fold the micro-batches' batch-norm statistics."""
         for bn in self._deferred_bn:
             bn.commit()
-
-
-def loss_scale(
-    loss_count: Callable[[Any], int | Tensor] | None, target: Any, sizes: Sequence[int], total: int
-) -> list[float]:
-    """What each micro-batch's loss is multiplied by: its share of the mini-batch's ``total``
-    samples, or with ``loss_count`` one over the items the whole mini-batch counts (every replica's)."""
-    if loss_count is None:
-        return [n / total for n in sizes]
-    found = loss_count(target)
-    if isinstance(found, Tensor) and found.numel() != 1:
-        raise ValueError(f"loss_count must return a number, got a tensor of shape {tuple(found.shape)}")
-    count = found.item() if isinstance(found, Tensor) else found
-    if not isinstance(count, (int, float)) or count < 0:
-        raise ValueError(f"loss_count must return a number >= 0 (loss_count(target): {count!r})")
-    return [1.0 / count if count else 0.0] * len(sizes)

@@ -1,0 +1,100 @@
+"""What a step hands its stages and what a forward keeps for backward: :class:`StepContext` (the
+caller's autocast, grad mode, targets, ... captured once per step), :class:`Saved`, and
+:func:`loss_scale` (what each micro-batch's loss is multiplied by).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpipe.microbatch import Batch
+
+__all__ = ["AUTOCAST_DEVICE_TYPES", "Grads", "LossFn", "Saved", "StepContext", "loss_scale"]
+
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every stage of one step needs to know, captured from the caller's thread."""
+
+    seed: int
+    num_microbatches: int
+    checkpoint_stop: int
+    grad_enabled: bool
+    training: bool
+    autocast: tuple[tuple[str, torch.dtype, bool], ...]
+    targets: Sequence[Any] | None = None
+    loss_scale: Sequence[float] | None = None
+
+    @staticmethod
+    def capture(
+        *,
+        num_microbatches: int,
+        checkpoint_stop: int,
+        training: bool,
+        seed: int,
+        targets: Sequence[Any] | None = None,
+        loss_scale: Sequence[float] | None = None,
+    ) -> StepContext:
+        grad = torch.is_grad_enabled()
+        autocast = tuple(
+            (dt, torch.get_autocast_dtype(dt), torch.is_autocast_enabled(dt)) for dt in AUTOCAST_DEVICE_TYPES
+        )
+        stop = checkpoint_stop if grad and training else 0
+        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale)
+
+    @contextmanager
+    def applied(self, device: torch.device) -> Iterator[None]:
+        """Enter the caller's autocast state (and the stage's CUDA device) on a worker thread."""
+        with ExitStack() as stack:
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+            for device_type, dtype, enabled in self.autocast:
+                if enabled or torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield
+
+
+Grads = tuple[Tensor | None, ...]
+
+
+@dataclass
+class Saved:
+    """What a forward keeps for its backward.
+
+    ``inputs``: the stage's input leaves. ``outputs``: the outputs with their autograd graph, unless
+    re-materialized. ``tape``: for a split backward, each layer's (input leaves, outputs).
+    ``output_grads``: after I, each taped layer's output gradients, for W; ``weight_grads``: the
+    weight gradients I already computed, for layers whose backward cannot be split (compiled ones).
+    """
+
+    inputs: Batch
+    outputs: Batch | None
+    tape: list[tuple[Batch, Batch]] | None = None
+    output_grads: list[Grads] = field(default_factory=list)
+    weight_grads: dict[int, Grads] = field(default_factory=dict)
+
+
+def loss_scale(
+    loss_count: Callable[[Any], int | Tensor] | None, target: Any, sizes: Sequence[int], total: int
+) -> list[float]:
+    """What each micro-batch's loss is multiplied by: its share of the mini-batch's ``total``
+    samples, or with ``loss_count`` one over the items the whole mini-batch counts (every replica's)."""
+    if loss_count is None:
+        return [n / total for n in sizes]
+    found = loss_count(target)
+    if isinstance(found, Tensor) and found.numel() != 1:
+        raise ValueError(f"loss_count must return a number, got a tensor of shape {tuple(found.shape)}")
+    count = found.item() if isinstance(found, Tensor) else found
+    if not isinstance(count, (int, float)) or count < 0:
+        raise ValueError(f"loss_count must return a number >= 0 (loss_count(target): {count!r})")
+    return [1.0 / count if count else 0.0] * len(sizes)
