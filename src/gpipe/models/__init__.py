@@ -1,4 +1,10 @@
-"""The paper's models, as sequences of layers ready for partitioning."""
+"""The models: the paper's Transformer (:mod:`~gpipe.models.transformer`) and AmoebaNet-D
+(:mod:`~gpipe.models.amoebanet`) as sequences of layers ready for partitioning, and the Hugging Face
+causal LMs of ``gpipe train --model hf`` (:mod:`~gpipe.models.hf`).
+
+An application part: imports torch, the library and ``gpipe.recipe`` / ``gpipe.data``; a model is
+built here and cut by the library, which never imports it.
+"""
 
 from gpipe.models.amoebanet import amoebanet_d
 from gpipe.models.transformer import parameter_count, transformer, transformer_lm
