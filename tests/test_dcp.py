@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-import gpipe.saving
+import gpipe.saving.keys
 from gpipe import GPipe, Pipeline, load_checkpoint, save_checkpoint
 from gpipe.models import transformer
 from gpipe.saving import AsyncSave, CheckpointError, NoSpaceError, latest, layer_state
@@ -80,7 +80,7 @@ def assert_equal_state(actual: dict[str, torch.Tensor], expected: dict[str, torc
 
 def by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors, keyed '<global parameter name>.<key>'."""
-    names = {id(p): f"{i}.{n}" for i, layer in gpipe.saving._layers(model) for n, p in layer.named_parameters()}
+    names = {id(p): f"{i}.{n}" for i, layer in gpipe.saving.keys._layers(model) for n, p in layer.named_parameters()}
     return {
         f"{names[id(p)]}.{key}": value
         for p, state in optimizer.state.items()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-import gpipe.saving
+import gpipe.saving.folders
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
 from gpipe.saving import latest, layer_state, write_atomically
 from tests import dist_cases
@@ -157,7 +157,7 @@ def test_the_next_save_removes_what_killed_saves_left(tmp_path: Path) -> None:
 KILLED_SAVE = r"""
 import os, re, sys, time, torch, torch.nn.functional as F
 from torch import nn
-import gpipe.saving
+import gpipe.saving.folders
 from gpipe import Pipeline, save_checkpoint
 directory, mark, stage, step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 torch.manual_seed(1)
@@ -185,7 +185,7 @@ def replace(a, b):
     real_replace(a, b)
 torch.save, os.rename, os.replace = half_written, rename, replace
 if stage == "swap":
-    gpipe.saving._exchange = lambda a, b: False  # the fallback: the old folder is renamed aside first
+    gpipe.saving.folders._exchange = lambda a, b: False  # the fallback: the old folder is renamed aside first
 save_checkpoint(pipe, directory, step)
 """
 
@@ -255,7 +255,7 @@ def test_a_save_killed_between_the_two_renames_of_the_fallback_swap(tmp_path: Pa
 
 
 def test_the_fallback_swap_replaces_the_folder_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpipe.saving, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(gpipe.saving.folders, "_exchange", lambda a, b: False)
     save_checkpoint(pipe_of(mlp(0), [4, 4]), tmp_path, 1)
     newer = pipe_of(mlp(1), [2, 2, 2, 2])
     save_checkpoint(newer, tmp_path, 1)
@@ -327,7 +327,7 @@ def test_torchs_writer_failing_on_a_full_disk_says_so(tmp_path: Path, monkeypatc
 
     with pytest.raises(OSError, match=r"writing \S*optimizer-rank0\.pt failed midway .* bytes free; torch: .*pos"):
         write_atomically(path, through_dev_full)  # plenty of space here: not blamed on the disk
-    monkeypatch.setattr(gpipe.saving, "_free_bytes", lambda d: 4096)
+    monkeypatch.setattr(gpipe.saving.folders, "_free_bytes", lambda d: 4096)
     with pytest.raises(gpipe.saving.NoSpaceError, match=r"no space left on device: \S*optimizer-rank0\.pt") as raised:
         write_atomically(path, through_dev_full)
     assert raised.value.errno == errno.ENOSPC

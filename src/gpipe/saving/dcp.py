@@ -1,0 +1,152 @@
+"""torch.distributed.checkpoint's reader and writer as gpipe uses them (naming the file that could
+not be read or written), and its save (a collective of every rank) and load (local)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from gpipe.saving.collective import _failed_on, _report
+from gpipe.saving.folders import METADATA, CheckpointError, _write_error
+
+if TYPE_CHECKING:
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+__all__ = ["_brief", "_dcp_io", "_dcp_load", "_dcp_save"]
+
+# DCP, imported at the first save or load (it takes most of a second).
+
+
+@functools.cache
+def _dcp_io() -> tuple[Callable[[Path], FileSystemWriter], Callable[[Path, Metadata | None], FileSystemReader]]:
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+    from torch.futures import Future
+
+    class WritingFiles(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            except (OSError, RuntimeError) as e:
+                clear = _write_error(Path(path), e)
+                if clear is e:
+                    raise
+                raise clear from e
+
+    class ReadingFiles(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            except CheckpointError:
+                raise
+            except FileNotFoundError as e:
+                index = Path(path).with_name(METADATA)
+                raise CheckpointError(f"{path}: missing, though {index} lists it") from e
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable (truncated or corrupt?): {_brief(e)}") from e
+
+    class Writer(FileSystemWriter):
+        """DCP's writer: one file per rank, synced; a full disk named; no file for a rank with nothing."""
+
+        def __init__(self, path: Path) -> None:
+            super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+            self.fs = WritingFiles()
+
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+            if not plan.items:  # a data-parallel replica but the first: nothing to write
+                nothing: Future[list[WriteResult]] = Future()
+                nothing.set_result([])
+                return nothing
+            return super().write_data(plan, planner)
+
+    class Reader(FileSystemReader):
+        """DCP's reader, naming the file it could not read; given the index already read, it does
+        not read it again."""
+
+        def __init__(self, path: Path, metadata: Metadata | None = None) -> None:
+            super().__init__(path)
+            self.fs = ReadingFiles()
+            self._metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return self._metadata if self._metadata is not None else super().read_metadata(*args, **kwargs)
+
+    return Writer, Reader
+
+
+def _quiet() -> None:
+    """Silence what dcp.save and dcp.load warn at every call without a process group (that they
+    assume one process: what gpipe asks for, with no_dist=True, when it runs in one). Installed at
+    each call, not once: a caller's ``warnings.catch_warnings()`` (pytest's, say) drops it."""
+    warnings.filterwarnings(
+        "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning
+    )
+
+
+def _brief(error: BaseException) -> str:
+    detail = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
+def _dcp_save(entries: dict[str, Any], staging: Path, group: Any) -> None:
+    """DCP's save of every rank's ``entries`` into ``staging`` (a collective of ``group``); raises the
+    same failure on every rank: the failing rank its own error, the others one naming it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    writer, _ = _dcp_io()
+    _quiet()
+    try:
+        dcp_save(
+            entries,
+            storage_writer=writer(staging),
+            # the keys as given: a value that is not a tensor (a group's hyper-parameters) is one entry
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            process_group=group,
+            no_dist=group is None,
+        )
+    except CheckpointException as e:
+        rank = 0 if group is None else dist.get_rank(group)
+        failures = e.failures
+        if rank in failures:
+            raise failures[rank][0]  # noqa: B904 - its own cause (the file's error, say)
+        first = min(failures)
+        raise _failed_on(first, _report(failures[first][0])) from e
+
+
+def _dcp_load(template: dict[str, Any], target: Path, metadata: Metadata) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    _, reader = _dcp_io()
+    _quiet()
+    try:
+        dcp_load(
+            template,
+            storage_reader=reader(target, metadata),
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,  # each process reads its own entries
+        )
+    except CheckpointException as e:
+        failure = next(iter(e.failures.values()))[0]
+        if isinstance(failure, CheckpointError):
+            raise failure  # noqa: B904 - its cause is the file's error
+        raise CheckpointError(f"checkpoint {str(target)!r} could not be read: {_brief(failure)}") from e
