@@ -387,17 +387,17 @@ def masked_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) ->
 
 def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
     """A float mask crosses every boundary: record what each gradient message carries."""
-    from gpipe import distributed
+    from gpipe.distributed import channels
 
     sent: list[list[str]] = []
-    send = distributed._Channel.send
+    send = channels._Channel.send
 
-    def spy(channel: distributed._Channel, value: Any) -> None:
+    def spy(channel: channels._Channel, value: Any) -> None:
         if channel.kind == "grad":
             sent.append(["none" if v is None else "tensor" for v in value])
         send(channel, value)
 
-    distributed._Channel.send = spy  # type: ignore[method-assign]
+    channels._Channel.send = spy  # type: ignore[method-assign]
     pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
     x, y = masked_data()
     loss = pipe.step(x, y)

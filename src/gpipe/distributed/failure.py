@@ -1,0 +1,319 @@
+"""The failure watch: failures recorded in the process group's store, the heartbeats that name a
+lost rank, the bounded store calls, and :func:`collective`, which turns a collective's transport
+error into a :class:`PipelineError`.
+
+Outside the actions — the collectives of a step (the seed's broadcast, the loss's and the
+gradients' all-reduces and broadcast) and of setting up — each call runs under :func:`collective`,
+which turns a transport error (a peer's socket closed, a timeout) into a :class:`PipelineError`
+naming the operation, its ranks and the rank that is lost: the one whose failure the store holds,
+else the peers whose *heartbeat* stopped (every process bumps a counter in the store every
+``timeout / 20`` s, at most 0.5 s, from a thread of its own: a killed or stopped process stops
+bumping it). A step that succeeds runs none of this.
+
+Rank 0 hosts the store (under ``env://``): when it is killed the store's connections close, and
+the others name it from that; when it is stopped, a TCPStore client would wait for its reply
+forever, so every store call of gpipe's is made by a thread of its own and given up after a bound
+(``timeout`` for the watch of a step, 2 s on the failure paths), the silence naming rank 0. After
+a failure, rank 0 waits at exit (three heartbeat intervals and 2 s at most) until the others have
+left or stopped beating, so that they can still read the store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["PipelineError", "collective", "start_heartbeat"]
+
+_FAILURE_KEY = "gpipe/failure"
+_ALIVE_KEY = "gpipe/alive/"
+_LEFT = b"left"
+
+
+class PipelineError(RuntimeError):
+    """A rank of the pipeline failed; raised on every other rank, naming it."""
+
+
+PipelineError.__module__ = "gpipe.distributed"  # its public name, which tracebacks print
+
+# Failures and liveness, through the default process group's store.
+
+T = TypeVar("T")
+
+
+class _StoreSilentError(RuntimeError):
+    """The process group's store did not answer in time."""
+
+
+class _StoreCalls:
+    """Calls to a store made by a thread of their own, so that the caller can give up: a TCPStore
+    client waits forever for the reply of a stopped server. Once a call was given up on, the next
+    ones give up at once, until the store answers again."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.silent = threading.Event()
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], dict[str, Any], threading.Event]]
+        self._calls = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="gpipe-store").start()
+
+    def __call__(self, call: Callable[[Any], T], seconds: float) -> T:
+        if self.silent.is_set():
+            raise _StoreSilentError("the process group's store has not answered an earlier call")
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._calls.put((call, box, done))
+        if not done.wait(seconds):
+            self.silent.set()
+            raise _StoreSilentError(f"the process group's store did not answer within {seconds:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]  # type: ignore[no-any-return]
+
+    def _serve(self) -> None:
+        while True:
+            call, box, done = self._calls.get()
+            try:
+                box["value"] = call(self.store)
+            except BaseException as exc:
+                box["error"] = exc
+            done.set()
+            self.silent.clear()
+
+
+_store_calls: dict[int, _StoreCalls] = {}  # by id(store); each keeps its store alive
+_store_calls_lock = threading.Lock()
+
+
+def _bounded(store: Any, call: Callable[[Any], T], seconds: float) -> T:
+    """``call(store)``, given up after ``seconds`` with :class:`_StoreSilentError`."""
+    with _store_calls_lock:
+        calls = _store_calls.get(id(store))
+        if calls is None:
+            calls = _store_calls[id(store)] = _StoreCalls(store)
+    return calls(call, seconds)
+
+
+def _store_host() -> int | None:
+    """The rank whose process hosts the default store: rank 0 under ``env://`` and ``tcp://``
+    (torchrun's agent store lives in the agent instead)."""
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return 0 if isinstance(store, TCPStore) else None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's message without the C++ backtrace torch appends to some."""
+    return str(exc).split("\nException raised from")[0].strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
+def _store_lost(exc: BaseException) -> str:
+    """What a store error says about the ranks: its host is gone (or stopped)."""
+    host = _store_host()
+    silent = isinstance(exc, _StoreSilentError)
+    state = _first_line(exc) if silent else f"the process group's store is unreachable ({_first_line(exc)})"
+    if host is None or host == dist.get_rank():
+        return state
+    return f"rank {host} is {'not responding' if silent else 'gone'} ({state}; rank {host} hosts it)"
+
+
+def _report_failure(store: Any, message: str, seconds: float = 2.0) -> None:
+    """Record the first failure in the store, for every rank to read."""
+    _failing.set()
+    with contextlib.suppress(Exception):  # the store may be gone with rank 0; the local error still surfaces
+        _bounded(store, lambda st: st.compare_set(_FAILURE_KEY, "", message), seconds)
+
+
+def _read_failure(store: Any, seconds: float) -> str | None:
+    """The failure recorded in the store, if any, or what the store's silence says (waiting
+    ``seconds`` at most for it)."""
+
+    def read(st: Any) -> str | None:
+        return st.get(_FAILURE_KEY).decode() or None if st.check([_FAILURE_KEY]) else None
+
+    try:
+        return _bounded(store, read, seconds)
+    except Exception as exc:
+        return _store_lost(exc)
+
+
+class _Heartbeat:
+    """This process's heartbeat: a thread bumps a counter in the store every ``interval`` seconds,
+    and writes 'left' there when the process exits (a key that vanished would block a reader)."""
+
+    def __init__(self, store: Any, rank: int, world: int, interval: float) -> None:
+        self.store, self.rank, self.world, self.interval = store, rank, world, interval
+        self.lost: set[int] = set()  # the ranks found silent
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="gpipe-heartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        beats = 0
+        while True:
+            beats += 1
+            try:
+                self.store.set(f"{_ALIVE_KEY}{self.rank}", str(beats))
+            except Exception:  # the store is gone (with rank 0, or at exit): nothing left to tell
+                return
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(0.1)  # it may wait on a store that no longer answers
+        with contextlib.suppress(Exception):
+            _bounded(self.store, lambda st: st.set(f"{_ALIVE_KEY}{self.rank}", _LEFT), 0.5)
+
+    def read(self, ranks: Sequence[int]) -> dict[int, bytes | None]:
+        """Every rank's heartbeat (``None``: none yet), waiting 2 s at most for the store."""
+        keys = [f"{_ALIVE_KEY}{r}" for r in ranks]
+
+        def read(st: Any) -> dict[int, bytes | None]:
+            if st.check(keys):  # one round trip for all
+                return dict(zip(ranks, st.multi_get(keys)))
+            return {r: st.get(k) if st.check([k]) else None for r, k in zip(ranks, keys)}
+
+        return _bounded(self.store, read, 2.0)
+
+    def silent(self, ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Those of ``ranks`` whose heartbeat does not move within three intervals: the ones that
+        stopped beating (killed, stopped, hung), and the ones whose process has exited."""
+        first = last = self.read(ranks)
+        moved = set[int]()
+        deadline = time.monotonic() + 3 * self.interval
+        while time.monotonic() < deadline and len(moved) < len(ranks):
+            time.sleep(self.interval / 2)
+            last = self.read(ranks)
+            moved |= {r for r, beats in last.items() if beats not in (None, _LEFT, first[r])}
+        quiet = [r for r in ranks if r not in moved]
+        self.lost.update(quiet)
+        return [r for r in quiet if last[r] != _LEFT], [r for r in quiet if last[r] == _LEFT]
+
+    def linger(self) -> None:
+        """Wait (at most three intervals and 2 s) until every other rank has left or stopped
+        beating: the store lives in this process, and they read it to name who failed."""
+        others = [r for r in range(self.world) if r != self.rank and r not in self.lost]
+        if not others:
+            return
+        last, changed = self.read(others), dict.fromkeys(others, time.monotonic())
+        deadline = time.monotonic() + 3 * self.interval + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(self.interval / 2)
+            now, beats = time.monotonic(), self.read(others)
+            changed.update({r: now for r in others if beats[r] != last[r]})
+            last = beats
+            if all(beats[r] in (None, _LEFT) or now - changed[r] > 2 * self.interval for r in others):
+                return
+
+
+_heartbeat: _Heartbeat | None = None
+_failing = threading.Event()  # this process has seen its pipeline fail
+
+
+def start_heartbeat(timeout: float) -> None:
+    """Start this process's heartbeat in the default process group's store (once; a shorter
+    ``timeout`` makes it beat faster: every ``timeout / 20`` s, at most 0.5 s)."""
+    global _heartbeat
+    interval = min(0.5, max(0.05, timeout / 20))
+    store = dist.distributed_c10d._get_default_store()
+    if _heartbeat is not None and _heartbeat.store is store and _heartbeat._thread.is_alive():
+        _heartbeat.interval = min(_heartbeat.interval, interval)
+        return
+    if _heartbeat is None:
+        atexit.register(_stop_heartbeat)
+    else:
+        _heartbeat.stop()
+    _heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size(), interval)
+
+
+def _stop_heartbeat() -> None:
+    """At exit: stop beating; after a failure, the rank hosting the store lets the others read it."""
+    beat = _heartbeat
+    if beat is None:
+        return
+    beat.stop()
+    if _failing.is_set() and _store_host() == beat.rank:
+        with contextlib.suppress(Exception):
+            beat.linger()
+
+
+def _silent_ranks(timed_out: bool) -> tuple[str, str] | None:
+    """Who the heartbeats say is lost, as ('rank 3 is gone', 'rank 3'): the ranks that stopped
+    beating (gone when their connection closed, not responding when it timed out), else those
+    that have exited; ``('', '')`` when every rank beats, ``None`` when no heartbeat runs here."""
+    beat = _heartbeat
+    if beat is None:
+        return None
+    stuck, left = beat.silent([r for r in range(beat.world) if r != beat.rank])
+    ranks, state = (stuck, "not responding" if timed_out else "gone") if stuck else (left, "gone")
+    if not ranks:
+        return "", ""
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{who} {'is' if len(ranks) == 1 else 'are'} {state}", who
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@contextmanager
+def collective(operation: str, group: Any = None) -> Iterator[None]:
+    """Run a collective of ``group`` (default: all ranks): a transport error in it (a peer's socket
+    closed, a timeout) becomes a :class:`PipelineError` that names the lost rank when the store or
+    the heartbeats tell, else the operation and its peers; the raw error is its ``__cause__`` and
+    its message's tail. Costs nothing unless the collective fails."""
+    try:
+        yield
+    except PipelineError:
+        _failing.set()
+        raise
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError, DistStoreError, gloo's RuntimeError
+        _failing.set()
+        raise PipelineError(_lost_in(operation, group, exc)) from exc
+
+
+def _lost_in(operation: str, group: Any, exc: BaseException) -> str:
+    """What to say when ``operation`` failed with ``exc``: the failure the store holds, else who is
+    lost by the heartbeats, read within a bounded time (a stopped rank 0 stops the store it hosts)."""
+    me = dist.get_rank()
+    ranks = sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    peers = [r for r in ranks if r != me]
+    raw = f"{type(exc).__name__}: {_first_line(exc)}"
+    timed_out = _timed_out(exc)
+    where = f"the {operation} over ranks {ranks} {'timed out' if timed_out else 'failed'} on rank {me}"
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        failure = _read_failure(store, 2.0)
+        if failure is None:
+            silent = _silent_ranks(timed_out)
+            failure = _read_failure(store, 2.0)  # another rank may have named it meanwhile
+    except Exception as err:
+        return f"{_store_lost(err)}: {where}: {raw}"
+    if failure is not None:
+        return f"{failure} ({where}: {raw})"
+    if silent is None:
+        return f"{where}; one of ranks {peers} is lost: {raw}"
+    lost, who = silent
+    if not lost:
+        return (
+            f"{where}, and every rank still beats: one of ranks {peers} "
+            f"{'did not take part in time' if timed_out else 'closed its connection'}: {raw}"
+        )
+    _report_failure(store, f"{lost} (no heartbeat; rank {me} lost it in the {operation})")
+    return f"{lost}: {where} (no heartbeat from {who}): {raw}"
