@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from gpipe import GPipe, Pipeline, make_schedule, simulate
-from gpipe import train as train_module
 from gpipe.cli import main
 from gpipe.schedule import render_timeline
 from gpipe.train import ConfigError, TrainConfig, parse
+from gpipe.train import loop as train_loop
 
 CONFIGS = {
     "progress-string.toml": 'progress = "no"\n',
@@ -112,9 +112,9 @@ def tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     def no_work(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a bad input must be refused before any work starts")
 
-    monkeypatch.setattr(train_module, "_train", no_work)
+    monkeypatch.setattr(train_loop, "_train", no_work)
     monkeypatch.setattr("gpipe.bench.run", no_work)
-    monkeypatch.setattr("gpipe.cli.demo", no_work)
+    monkeypatch.setattr("gpipe.commands.demo.demo", no_work)
     return tmp_path
 
 
@@ -141,7 +141,7 @@ def test_a_bug_in_training_keeps_its_traceback(tmp_path: Path, monkeypatch: pyte
     def bug(cfg: TrainConfig) -> Any:
         raise ValueError("a bug deep in training")
 
-    monkeypatch.setattr(train_module, "_train", bug)
+    monkeypatch.setattr(train_loop, "_train", bug)
     with pytest.raises(ValueError, match="a bug deep in training"):
         main(["train", "--out", str(tmp_path), "--no-progress"])
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gpipe import train as train_module
 from gpipe.cli import main
+from gpipe.data import SyntheticTranslation
 from gpipe.train import TrainConfig, parse, train
 
 
@@ -80,14 +80,14 @@ def test_background_checkpoints_hold_what_a_foreground_save_holds(tmp_path: Path
 
 
 def test_ctrl_c_writes_a_final_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = train_module.SyntheticTranslation.batch
+    real = SyntheticTranslation.batch
 
     def interrupt_at_step_7(self: Any, size: int, step: int, split: str = "train") -> Any:
         if step == 7 and split == "train":
             raise KeyboardInterrupt
         return real(self, size, step, split=split)
 
-    monkeypatch.setattr(train_module.SyntheticTranslation, "batch", interrupt_at_step_7)
+    monkeypatch.setattr(SyntheticTranslation, "batch", interrupt_at_step_7)
     with pytest.raises(KeyboardInterrupt):
         train(quick(tmp_path, steps=50))
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
@@ -175,7 +175,8 @@ def test_tensorboard_after_resume_holds_each_step_once(tmp_path: Path) -> None:
 def test_tensorboard_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     train(quick(tmp_path / "off", steps=2, eval_every=2, tensorboard="off"))
     assert not (tmp_path / "off" / "tensorboard").exists()
-    monkeypatch.setattr(train_module, "_has_tensorboard", lambda: False)
+    monkeypatch.setattr("gpipe.train.config._has_tensorboard", lambda: False)
+    monkeypatch.setattr("gpipe.train.metrics._has_tensorboard", lambda: False)
     train(quick(tmp_path / "auto", steps=2, eval_every=2))  # auto without the package: no event files
     assert not (tmp_path / "auto" / "tensorboard").exists()
     with pytest.raises(ValueError, match="--tensorboard on needs the tensorboard package"):

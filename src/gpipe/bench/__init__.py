@@ -10,9 +10,9 @@ largest model per budget), peers (torch.distributed.pipelining and torchgpipe, s
 runtime's overhead against the simulator, and engine (the Pipeline at K=1 against a plain PyTorch
 micro-batched loop: a Transformer LM, host time per layer call on tiny layers, torch.compile'd
 layers). The report ends with the targets gpipe misses, and why.
-
-An application: imports the library and gpipe.models; only the command line imports it.
 """
+
+# An application: imports the library and gpipe.models; only the command line (gpipe.cli) imports it.
 
 from __future__ import annotations
 

@@ -1,0 +1,411 @@
+"""The settings of ``gpipe train``: :class:`TrainConfig` (its fields are the flags) and its checks,
+the errors they raise (:class:`ConfigError`, :class:`ConfigTypeError`), the choices (models,
+optimizers, schedules, ...) and the reading of a ``--config`` file (TOML or JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib.util
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.commands.args import UsageError
+from gpipe.models import hf
+from gpipe.saving import CheckpointError, latest
+from gpipe.schedule import SCHEDULES
+
+__all__ = [
+    "DEFAULT_LAYERS",
+    "MODELS",
+    "OPTIMIZERS",
+    "TENSORBOARD_MODES",
+    "V_SCHEDULES",
+    "ConfigError",
+    "ConfigTypeError",
+    "TrainConfig",
+    "_has_tensorboard",
+    "_read_config",
+]
+
+V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
+TENSORBOARD_MODES = ("auto", "on", "off")
+
+
+def _has_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+MODELS = ("transformer", "amoebanet", "hf")
+DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
+OPTIMIZERS = ("adam", "adafactor", "rmsprop")
+
+
+class ConfigError(UsageError):
+    """A bad setting of :class:`TrainConfig` (a flag, a config file's entry, a path), found before
+    the work it would spoil: ``gpipe train`` prints it as one line and exits with status 2. A
+    ``ValueError``; other exceptions, bugs, keep their traceback."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
+
+
+for _error in (ConfigError, ConfigTypeError):
+    _error.__module__ = "gpipe.train"  # their public name, which tracebacks print
+
+# The built-in models' size flags: --model hf takes its size from its config instead.
+_SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
+
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _typed(name: str, value: Any, kind: str, where: str = "") -> Any:
+    """``value`` of setting ``name`` if it is of ``kind`` (``int`` given to a float setting becomes a
+    float); otherwise a :class:`ConfigTypeError` naming both. ``where``: the config file it came from."""
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        fix = ""
+        if kind == "bool":
+            fix = f"; write {name} = true or {name} = false, without quotes (flags: --{_flag(name)}, --no-...)"
+        elif isinstance(value, str) and kind in ("int", "float"):
+            with contextlib.suppress(ValueError):
+                fix = f"; write {name} = {int(value) if kind == 'int' else float(value)}, without quotes"
+        place = f" in {where!r}" if where else ""
+        got = f"{value!r}, of type {type(value).__name__}"
+        raise ConfigTypeError(f"{name}{place} must be {_KINDS[kind]} (got {got}){fix}")
+    return float(value) if kind == "float" else value
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(v: float) -> bool:
+    return 0 < v < math.inf
+
+
+def _nonnegative(v: float) -> bool:
+    return 0 <= v < math.inf
+
+
+def _probability(v: float) -> bool:
+    return 0 <= v < 1
+
+
+_RANGES = {
+    "lr": (_positive, "a positive finite number"),
+    "temperature": (_positive, "a positive finite number"),
+    "clip_norm": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "logit_clip": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "dropout": (_probability, "in [0, 1)"),
+    "label_smoothing": (_probability, "in [0, 1)"),
+    "length_penalty": (_nonnegative, "a finite number >= 0"),
+}
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``gpipe train`` needs; each field is also a command-line flag."""
+
+    model: str = field(
+        default="transformer",
+        metadata={"help": f"the model: {', '.join(MODELS)} (hf: a Hugging Face causal LM, built from --hf-config)"},
+    )
+    hf_config: str = field(
+        default="",
+        metadata={
+            "help": "hf: a transformers config.json (or its folder) of a causal LM, read locally, weights random; "
+            f"'': a GPT-2 of {hf.DEFAULT['n_layer']} layers, n_embd {hf.DEFAULT['n_embd']}, "
+            f"{hf.DEFAULT['n_head']} heads, the data's vocabulary and length"
+        },
+    )
+    layers: int = field(
+        default=0,
+        metadata={
+            "help": "L: encoder layers (as many decoder layers) of the transformer, normal cells of AmoebaNet-D; "
+            "0: the model's default (transformer 2, amoebanet 6)"
+        },
+    )
+    hidden: int = field(default=256, metadata={"help": "transformer: H, the feed-forward size"})
+    heads: int = field(default=4, metadata={"help": "transformer: A, the attention heads"})
+    dim: int = field(default=64, metadata={"help": "transformer: the model dimension"})
+    filters: int = field(default=16, metadata={"help": "amoebanet: D, the filters of the first stack"})
+    classes: int = field(default=10, metadata={"help": "amoebanet: classes of the synthetic images (--data: its own)"})
+    image_size: int = field(
+        default=32,
+        metadata={"help": "amoebanet: image side of the synthetic images and of a folder's images (.npz keep theirs)"},
+    )
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
+    logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
+    partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
+    chunks: int = field(default=4, metadata={"help": "M: micro-batches per mini-batch"})
+    schedule: str = field(
+        default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}, auto (planned from measured costs)"}
+    )
+    checkpoint: str = field(default="except_last", metadata={"help": "re-materialization: always, except_last, never"})
+    threads: int = field(
+        default=1, metadata={"help": "intra-op threads per stage, fixed so that runs are bitwise equal whatever K"}
+    )
+    batch: int = field(default=64, metadata={"help": "mini-batch size (sentence pairs or images)"})
+    steps: int = field(default=200, metadata={"help": "training steps"})
+    optimizer: str = field(default="adam", metadata={"help": f"the optimizer: {', '.join(OPTIMIZERS)}"})
+    lr: float = field(default=1e-2, metadata={"help": "peak learning rate of the inverse-sqrt schedule"})
+    warmup: int = field(default=30, metadata={"help": "warm-up steps of the inverse-sqrt schedule"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
+    clip_norm: float = field(default=1.0, metadata={"help": "per-parameter gradient-norm clipping (0: none)"})
+    temperature: float = field(
+        default=5.0, metadata={"help": "T of the language-pair sampling (training batches and the vocabulary)"}
+    )
+    data: str = field(
+        default="",
+        metadata={
+            "help": "transformer: a folder of parallel files, one per language pair (xx-yy.tsv, or xx-yy.xx + "
+            "xx-yy.yy; held-out ones in its eval/ folder), or one file of source<TAB>target lines; amoebanet: a "
+            ".npz (x, y) or a folder of class sub-folders of images; hf: source<TAB>target lines, or text, a "
+            "document a line (default: synthetic data)"
+        },
+    )
+    vocab: str = field(
+        default="",
+        metadata={
+            "help": "--data FOLDER: a SentencePiece model to use ('': OUT/vocab.model, trained on the first run "
+            "from text sampled at --temperature)"
+        },
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "--data FOLDER: pieces of the vocabulary trained"})
+    max_length: int = field(
+        default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
+    )
+    eval_every: int = field(default=50, metadata={"help": "evaluate every N steps"})
+    eval_batches: int = field(default=4, metadata={"help": "batches per evaluation (not translation: see below)"})
+    eval_sentences: int = field(
+        default=100,
+        metadata={"help": "--data FOLDER: held-out sentences per pair without a file in FOLDER/eval"},
+    )
+    beam: int = field(default=1, metadata={"help": "translation: beam size of evaluation's decoding (1: greedy)"})
+    length_penalty: float = field(
+        default=0.6, metadata={"help": "translation: alpha of beam search's length penalty ((5 + len) / 6) ** alpha"}
+    )
+    checkpoint_every: int = field(default=100, metadata={"help": "write a checkpoint every N steps"})
+    async_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "write the every-N-steps checkpoints in the background (the state is copied first; the final "
+            "one and Ctrl-C's are written at once)"
+        },
+    )
+    out: str = field(default="runs/default", metadata={"help": "output directory"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    tensorboard: str = field(
+        default="auto",
+        metadata={
+            "help": "TensorBoard event files in OUT/tensorboard: auto (when the tensorboard package is "
+            "installed), on (refuse to run without it), off"
+        },
+    )
+
+    @property
+    def virtual(self) -> int:
+        """Stages per worker: two in the V schedules (zb-v, dualpipev), else one."""
+        return 2 if self.schedule in V_SCHEDULES else 1
+
+    def check(self) -> None:
+        """Refuse bad settings, naming them and the fix, before any work starts: a wrong type
+        (:class:`ConfigTypeError`, a ``TypeError``), a value out of range, or paths that cannot work
+        (``--data``, ``--out``, ``--resume``): :class:`ConfigError`, a ``ValueError``."""
+        for f in fields(self):
+            _typed(f.name, getattr(self, f.name), str(f.type))
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.schedule not in (*SCHEDULES, "auto"):
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, auto")
+        if self.tensorboard not in TENSORBOARD_MODES:
+            raise ConfigError(
+                f"unknown --tensorboard {self.tensorboard!r}; choose one of {', '.join(TENSORBOARD_MODES)}"
+            )
+        if self.tensorboard == "on" and not _has_tensorboard():
+            raise ConfigError(
+                "--tensorboard on needs the tensorboard package (pip install tensorboard), or use --tensorboard off"
+            )
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ConfigError(
+                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "chunks", "batch", "steps",
+                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every", "vocab_size",
+                    "eval_sentences", "beam")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
+        for name, (ok, requirement) in _RANGES.items():
+            if not ok(getattr(self, name)):  # (NaN fails every comparison)
+                raise ConfigError(f"--{_flag(name)} must be {requirement} (got {getattr(self, name)})")
+        if self.max_length < 2:
+            raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
+        if self.layers < 0:
+            raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
+        if self.classes < 2:
+            raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
+        if self.dim % self.heads:
+            raise ConfigError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+        if self.model == "amoebanet" and self.filters < 4:
+            raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
+        if self.model == "amoebanet" and self.image_size < 4:
+            raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
+        self._check_hf()
+        layers, formula = self.model_layers()
+        if self.partitions * self.virtual > layers:
+            v = f" x {self.virtual} stages each ({self.schedule})" if self.virtual > 1 else ""
+            raise ConfigError(
+                f"--partitions {self.partitions}{v} exceeds the model's {layers} layers "
+                f"({formula}); use fewer partitions or more layers"
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and world != self.partitions:
+            raise ConfigError(
+                f"--partitions {self.partitions} differs from the {world} processes of torchrun: give "
+                f"--partitions {world}, or start torchrun with --nproc-per-node {self.partitions}"
+            )
+        self._check_paths()
+
+    def _check_hf(self) -> None:
+        """``--hf-config`` only with ``--model hf``; with it, no size flag of the built-in models (they
+        would be silently ignored: the config says the size), nor ``--dropout`` with a config."""
+        if self.hf_config and self.model != "hf":
+            raise ConfigError(
+                f"--hf-config is for --model hf (model: {self.model!r}); add --model hf or leave --hf-config out"
+            )
+        if self.model != "hf":
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in _SIZE_FLAGS:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    f"--{_flag(name)} {getattr(self, name)} sizes the built-in models, not --model hf, whose size "
+                    "comes from --hf-config (a config.json: n_layer, n_embd, ...) or is the built-in GPT-2's; "
+                    f"leave --{_flag(name)} out"
+                )
+        if self.hf_config and self.dropout:
+            raise ConfigError(
+                f"--dropout {self.dropout} applies to the built-in GPT-2 only: with --hf-config the config's own "
+                "dropout settings apply (resid_pdrop, attention_dropout, ... in the config.json); leave --dropout out"
+            )
+
+    def hf_model_config(self) -> Any:
+        """``--hf-config``'s transformers config (read afresh), or None for the built-in GPT-2."""
+        if not self.hf_config:
+            return None
+        try:
+            return hf.load_config(self.hf_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @property
+    def parallel_folder(self) -> bool:
+        """Whether the data is a folder of parallel files: many language pairs, a shared vocabulary."""
+        return self.model == "transformer" and bool(self.data) and Path(self.data).is_dir()
+
+    def vocab_path(self) -> Path:
+        """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``."""
+        return Path(self.vocab) if self.vocab else Path(self.out) / "vocab.model"
+
+    def _check_paths(self) -> None:
+        if self.data and not Path(self.data).exists():
+            raise ConfigError(
+                f"cannot read the data file {self.data!r}: there is no such file or folder "
+                "(leave --data out for synthetic data)"
+            )
+        if self.model == "hf" and self.data and Path(self.data).is_dir():
+            raise ConfigError(
+                f"--model hf reads one file (--data {self.data!r} is a folder); a folder of language pairs trains "
+                "the encoder-decoder transformer: leave --model out"
+            )
+        if self.vocab and not self.parallel_folder:
+            raise ConfigError(
+                f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
+                "leave --vocab out"
+            )
+        if self.vocab and not Path(self.vocab).is_file():
+            raise ConfigError(
+                f"--vocab {self.vocab!r}: no such file; give a SentencePiece .model (gpipe vocab makes one), or "
+                "leave --vocab out to train one on the data"
+            )
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {self.out!r} is a file; name a directory (it is created if missing)")
+        above = next((p for p in out.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"--out {self.out!r} is inside {str(above)!r}, which is a file; name a directory")
+        if self.resume:
+            checkpoints = out / "checkpoints"
+            try:
+                found = latest(checkpoints)
+            except CheckpointError as exc:
+                raise ConfigError(f"--resume: {exc}") from exc
+            if found is None:
+                raise ConfigError(
+                    f"--resume: no checkpoint in {str(checkpoints)!r}; leave --resume out to start afresh, "
+                    "or give the --out of the run to continue"
+                )
+
+    @property
+    def depth(self) -> int:
+        """L, the model's default where ``layers`` is 0."""
+        return self.layers or DEFAULT_LAYERS[self.model]
+
+    @property
+    def stem_cells(self) -> int:
+        """AmoebaNet-D's stem reduction cells: ImageNet's two for large images, none for small ones."""
+        return 2 if self.image_size >= 128 else 0
+
+    def model_layers(self) -> tuple[int, str]:
+        """The model's number of layers (the units a partition is made of), and how it is counted."""
+        if self.model == "amoebanet":
+            extra = 4 + self.stem_cells
+            return self.depth + extra, f"AmoebaNet-D({self.depth}, ...) has L + {extra}"
+        if self.model == "hf":
+            config = self.hf_model_config()
+            blocks = config.num_hidden_layers if config is not None else hf.DEFAULT["n_layer"]
+            where = f"--hf-config {self.hf_config!r}" if config is not None else "the built-in GPT-2"
+            return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
+        return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The settings of a TOML or JSON file, each a known setting of its field's type."""
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the config file {path!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"the config file {path!r} holds a {type(data).__name__}; it must hold an object of settings, "
+            'e.g. {"steps": 500, "partitions": 4}'
+        )
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    settings = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in kinds:
+            close = difflib.get_close_matches(name, kinds, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(kinds)}"
+            raise ConfigError(f"unknown setting {key!r} in the config file {path!r}; {hint}")
+        settings[name] = _typed(key, value, kinds[name], where=path)
+    return settings

@@ -1,0 +1,205 @@
+"""The run of ``gpipe train``: :func:`train`, the lock of one run per ``--out`` (:func:`one_run`)
+and the training loop (steps, evaluations, metrics, checkpoints, Ctrl-C)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe.balance import balance_by_flops
+from gpipe.data import PAD, TranslationDataset
+from gpipe.distributed import init_from_env
+from gpipe.evaluation import evaluate
+from gpipe.models import hf
+from gpipe.pipeline import Pipeline
+from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
+from gpipe.rng import derive_seed
+from gpipe.schedule import simulate
+from gpipe.train.checkpoints import Checkpoints, Interrupts, _truncate
+from gpipe.train.config import ConfigError, TrainConfig
+from gpipe.train.metrics import _bleu_table, _board, _plot, _progress
+from gpipe.train.setup import _data, _model, _optimizer, _rank
+
+__all__ = ["one_run", "train"]
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the final metrics. One run at a time per ``cfg.out``."""
+    cfg.check()
+    with one_run(Path(cfg.out)):
+        return _train(cfg)
+
+
+@contextlib.contextmanager
+def one_run(out: Path) -> Iterator[None]:
+    """Hold ``OUT/.lock`` (an exclusive ``flock``, with this process's PID in it) for the run: a
+    second run on the same ``--out`` is refused, naming the first. The kernel releases the lock
+    when the process ends, however it ends, so a crash leaves no stale lock. Under torchrun rank 0
+    holds it for the job."""
+    if int(os.environ.get("RANK", "0")) != 0:  # (the process group does not exist yet)
+        yield
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; name a directory (it is created if missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid = lock.read().strip() or "unknown"
+            raise ConfigError(
+                f"another gpipe train (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
+                "stop it, or give another --out"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+    finally:
+        lock.close()  # closing releases the lock
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
+    out = Path(cfg.out)
+    distributed = init_from_env()  # (before the data: rank 0 alone trains a vocabulary)
+    try:
+        data = _data(cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        if not cfg.data:
+            raise  # synthetic data: the settings were checked, so this is a bug
+        raise ConfigError(str(exc)) from exc  # (data.py's errors name the file and what is wrong)
+    model = _model(cfg, data)
+    tokens = data.unit != "images"
+    # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
+    # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
+    ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
+    loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
+    if cfg.model == "hf":  # its last layer returns the model's ModelOutput
+        loss_fn = functools.partial(hf.logits_loss, loss_fn)
+    sample = data.batch(cfg.batch, 0, split="eval").inputs
+    pipe = Pipeline(
+        model,
+        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks),  # from shapes, on 'meta'
+        virtual=cfg.virtual,
+        chunks=cfg.chunks,
+        deferred_batch_norm=cfg.model == "amoebanet",
+        schedule=cfg.schedule,
+        loss_fn=functools.partial(loss_fn, reduction="sum") if tokens else loss_fn,
+        loss_count=count_tokens(PAD) if tokens else None,
+        checkpoint=cfg.checkpoint,
+        devices=None if distributed else ["cpu"] * cfg.partitions,
+        init_seed=cfg.seed,
+        cpu_threads=cfg.threads,
+    )
+    optimizer = _optimizer(cfg, pipe.parameters())
+    scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
+    checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
+    start = checkpoints.resume() if cfg.resume else 1
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    if _rank() == 0:
+        _truncate(metrics_path, start)
+    baseline = data.baseline()
+    rate = f"{data.unit}_per_s"
+    bubble = simulate(pipe.schedule_for(cfg.chunks)).bubble
+    bar = _progress(cfg, start)
+    board = _board(cfg, out, start)
+    last: dict[str, Any] = {}
+    shown: dict[str, str] = {}  # the latest evaluation, in the progress bar
+    done = start - 1  # the last step whose update is complete: what a checkpoint holds
+    interrupts = Interrupts()
+    try:
+        for step in range(start, cfg.steps + 1):
+            torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
+            batch = data.batch(cfg.batch, step)
+            began = time.perf_counter()
+            optimizer.zero_grad()
+            loss = float(pipe.step(batch.inputs, batch.target))
+            if cfg.clip_norm:
+                clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
+            # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
+            # on interruption is then labelled with the step whose update its weights hold.
+            with interrupts.held():
+                optimizer.step()
+                scheduler.step()
+                done = step
+                seconds = time.perf_counter() - began
+                last = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    rate: batch.count / seconds,
+                    "bubble": bubble,
+                }
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    last.update(
+                        evaluate(
+                            pipe,
+                            data,
+                            loss_fn,
+                            batch=cfg.batch,
+                            batches=cfg.eval_batches,
+                            beam=cfg.beam,
+                            length_penalty=cfg.length_penalty,
+                        )
+                    )
+                    shown = {"eval": f"{last['eval_loss']:.3f}"}
+                    if "bleu" in last:
+                        shown["bleu"] = f"{last['bleu']:.1f}"
+                if _rank() == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(last) + "\n")
+                if board is not None:
+                    for name, value in last.items():
+                        if name != "step":
+                            board.add_scalar(name, value, step)
+                if bar is not None:
+                    speed = {f"{data.unit[:3]}_s": f"{last[rate]:.0f}"}
+                    bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **shown)
+                    bar.update(1)
+            if step % cfg.checkpoint_every == 0:
+                checkpoints.save(step, background=True)
+    except KeyboardInterrupt:
+        interrupts.restore()
+        if bar is not None:
+            bar.close()
+        checkpoints.save(done)
+        checkpoints.finish()
+        print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
+        raise
+    finally:
+        interrupts.restore()
+        if board is not None:
+            board.close()
+    if bar is not None:
+        bar.close()
+    checkpoints.save(done)
+    checkpoints.finish()
+    if _rank() == 0:
+        _plot(metrics_path, out / "loss.png", baseline, data.baseline_name)
+        nan = float("nan")
+        accuracy = f", eval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
+        bleu = f", BLEU {last['bleu']:.1f}" if "bleu" in last else ""
+        print(
+            f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f}{accuracy}"
+            f"{bleu} ({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curves in "
+            f"{out / 'loss.png'}"
+        )
+        if isinstance(data, TranslationDataset) and "bleu" in last:
+            print(_bleu_table(last, data.pair_sizes))
+    return {**last, "baseline": baseline}

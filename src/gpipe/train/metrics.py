@@ -1,0 +1,83 @@
+"""What ``gpipe train`` shows and leaves beside its metrics: TensorBoard's writer, the progress bar,
+the loss curves (``OUT/loss.png``) and the final BLEU table per language pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpipe.evaluation import resource_groups
+from gpipe.train.config import TrainConfig, _has_tensorboard
+from gpipe.train.setup import _rank
+
+__all__ = ["_bleu_table", "_board", "_plot", "_progress"]
+
+
+def _board(cfg: TrainConfig, out: Path, start: int) -> Any:
+    """TensorBoard's writer of OUT/tensorboard on rank 0 (None when off, or auto without the package).
+    A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does."""
+    if _rank() != 0 or cfg.tensorboard == "off" or not _has_tensorboard():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
+
+
+def _progress(cfg: TrainConfig, start: int) -> Any:
+    """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds."""
+    if not cfg.progress or _rank() != 0:
+        return None
+    from gpipe.train.progress import progress
+
+    return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
+
+
+def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:
+    """The loss curves, and BLEU per language pair beside them when there is any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    evals = [r for r in rows if "eval_loss" in r]
+    pairs = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("bleu/")} - {"high", "low"})
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.axhline(baseline, color="gray", ls="--", label=f"{baseline_name} {baseline:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.legend()
+    if pairs:
+        ax = axes[0][1]
+        for name in pairs:
+            points = [(r["step"], r[f"bleu/{name}"]) for r in evals if f"bleu/{name}" in r]
+            ax.plot(*zip(*points), "o-", label=name, lw=1, ms=3)
+        for group, style in (("high", "--"), ("low", ":")):
+            points = [(r["step"], r[f"bleu/{group}"]) for r in evals if f"bleu/{group}" in r]
+            if points:
+                ax.plot(*zip(*points), style, color="black", label=f"{group}-resource mean")
+        ax.set_xlabel("step")
+        ax.set_ylabel("BLEU")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bleu_table(metrics: dict[str, Any], sizes: dict[str, int]) -> str:
+    """The final evaluation per language pair: training sentences, group, eval loss, BLEU."""
+    groups = resource_groups(sizes)
+    lines = [f"{'pair':<12} {'sentences':>10} {'group':<5} {'eval loss':>9} {'BLEU':>6}"]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        lines.append(
+            f"{name:<12} {sizes[name]:>10} {groups[name]:<5} {metrics[f'eval_loss/{name}']:>9.3f} "
+            f"{metrics[f'bleu/{name}']:>6.1f}"
+        )
+    for group in ("high", "low"):
+        if f"bleu/{group}" in metrics:
+            lines.append(f"{'average ' + group:<29} {'':>9} {metrics[f'bleu/{group}']:>6.1f}")
+    return "\n".join(lines)
