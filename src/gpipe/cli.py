@@ -61,10 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe``: run the command ``argv[0]`` with the rest of ``argv``; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        name = _parser().parse_args(argv[:1]).command
-    except UsageError as exc:
+        return _command(_parser().parse_args(argv[:1]).command)(argv[1:])
+    except UsageError as exc:  # a bad flag or setting: one line, status 2 (the big commands print their own)
         return refuse(exc)
-    return _command(name)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
+from gpipe.commands.args import ArgumentParser, positive
 
 __all__ = ["main"]
 
@@ -36,12 +36,9 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``gpipe corpus``; a bad flag is one line ``error: ...``, status 2."""
-    try:
-        args = _parser().parse_args(argv)
-        positive(args, "held_out")
-    except UsageError as exc:
-        return refuse(exc)
+    """``gpipe corpus``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
+    args = _parser().parse_args(argv)
+    positive(args, "held_out")
     from gpipe.data import SyntheticTranslation
 
     out = Path(args.out)

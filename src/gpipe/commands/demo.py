@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
+from gpipe.commands.args import ArgumentParser, UsageError, positive
 from gpipe.gpipe import GPipe
 from gpipe.schedule import make_schedule, simulate
 
@@ -51,12 +51,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``gpipe demo``; a bad flag is one line ``error: ...``, status 2."""
-    try:
-        args = _parser().parse_args(argv)
-        _check(args)
-    except UsageError as exc:
-        return refuse(exc)
+    """``gpipe demo``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
+    args = _parser().parse_args(argv)
+    _check(args)
     return demo(args)
 
 

@@ -111,12 +111,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``gpipe schedule``; a bad flag is one line ``error: ...``, status 2."""
-    try:
-        args = _parser().parse_args(argv)
-        _check(args)
-    except UsageError as exc:
-        return refuse(exc)
+    """``gpipe schedule``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
+    args = _parser().parse_args(argv)
+    _check(args)
     return _auto(args) if args.auto else _fixed(args)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
+from gpipe.commands.args import ArgumentParser, positive, refuse
 
 __all__ = ["main"]
 
@@ -26,12 +26,9 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``gpipe vocab``; a bad flag or data folder is one line ``error: ...``, status 2."""
-    try:
-        args = _parser().parse_args(argv)
-        positive(args, "size", "sample", "temperature")
-    except UsageError as exc:
-        return refuse(exc)
+    """``gpipe vocab``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
+    args = _parser().parse_args(argv)
+    positive(args, "size", "sample", "temperature")
     from gpipe.data import vocab as vocabulary
 
     try:

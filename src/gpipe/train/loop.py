@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     except ValueError as exc:
         if not cfg.data:
             raise  # synthetic data: the settings were checked, so this is a bug
-        raise ConfigError(str(exc)) from exc  # (data.py's errors name the file and what is wrong)
+        raise ConfigError(str(exc)) from exc  # (gpipe.data's errors name the file and what is wrong)
     model = _model(cfg, data)
     tokens = data.unit != "images"
     # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
