@@ -175,8 +175,8 @@ def test_tensorboard_after_resume_holds_each_step_once(tmp_path: Path) -> None:
 def test_tensorboard_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     train(quick(tmp_path / "off", steps=2, eval_every=2, tensorboard="off"))
     assert not (tmp_path / "off" / "tensorboard").exists()
-    monkeypatch.setattr("gpipe.train.config._has_tensorboard", lambda: False)
-    monkeypatch.setattr("gpipe.train.metrics._has_tensorboard", lambda: False)
+    monkeypatch.setattr("gpipe.train.config.has_tensorboard", lambda: False)
+    monkeypatch.setattr("gpipe.train.metrics.has_tensorboard", lambda: False)
     train(quick(tmp_path / "auto", steps=2, eval_every=2))  # auto without the package: no event files
     assert not (tmp_path / "auto" / "tensorboard").exists()
     with pytest.raises(ValueError, match="--tensorboard on needs the tensorboard package"):

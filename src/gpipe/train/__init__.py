@@ -33,7 +33,7 @@ from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError
 from gpipe.saving import CheckpointError
-from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, _read_config
+from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, read_config_file
 from gpipe.train.loop import one_run, train
 from gpipe.train.setup import translation_model
 
@@ -62,7 +62,7 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
                                 help=f"{f.metadata['help']} (default: {f.default!r})")  # fmt: skip
     args = vars(parser.parse_args(argv))
     path = args.pop("config", None)
-    settings = _read_config(path) if path else {}
+    settings = read_config_file(path) if path else {}
     cfg = TrainConfig(**{**settings, **args})
     cfg.check()
     return cfg

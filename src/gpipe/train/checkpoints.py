@@ -1,5 +1,5 @@
 """A run's checkpoints and their resumption (:class:`Checkpoints`, with ``run.json`` and
-``scheduler.json``), the metrics a resumed run writes again (:func:`_truncate`), and Ctrl-C and
+``scheduler.json``), the metrics a resumed run writes again (:func:`truncate_metrics`), and Ctrl-C and
 SIGTERM held off while a step completes (:class:`Interrupts`)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset
 from gpipe.pipeline import Pipeline
 from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.setup import _rank
+from gpipe.train.setup import process_rank
 
-__all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "_truncate"]
+__all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
 
 RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
 SCHEDULER = "scheduler.json"  # in every checkpoint: the learning-rate schedule's state
@@ -42,7 +42,7 @@ class Checkpoints:
         self.saved = 0  # the step of the newest save started
 
     def _extra(self) -> dict[str, Any]:
-        if _rank() != 0:
+        if process_rank() != 0:
             return {}
         scheduler = json.dumps(self.scheduler.state_dict())
         extra: dict[str, Any] = {SCHEDULER: lambda p: p.write_text(scheduler + "\n")}
@@ -91,7 +91,7 @@ class Checkpoints:
         return step + 1
 
 
-def _truncate(path: Path, start: int) -> None:
+def truncate_metrics(path: Path, start: int) -> None:
     """Drop metrics of steps at or after ``start`` (a resumed run writes them again), and a torn last
     line (a crash in the middle of writing it)."""
     if not path.exists():

@@ -30,15 +30,15 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "TrainConfig",
-    "_has_tensorboard",
-    "_read_config",
+    "has_tensorboard",
+    "read_config_file",
 ]
 
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
 TENSORBOARD_MODES = ("auto", "on", "off")
 
 
-def _has_tensorboard() -> bool:
+def has_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
@@ -237,7 +237,7 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown --tensorboard {self.tensorboard!r}; choose one of {', '.join(TENSORBOARD_MODES)}"
             )
-        if self.tensorboard == "on" and not _has_tensorboard():
+        if self.tensorboard == "on" and not has_tensorboard():
             raise ConfigError(
                 "--tensorboard on needs the tensorboard package (pip install tensorboard), or use --tensorboard off"
             )
@@ -387,7 +387,7 @@ class TrainConfig:
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, Any]:
     """The settings of a TOML or JSON file, each a known setting of its field's type."""
     try:
         text = Path(path).read_text()

@@ -25,10 +25,10 @@ from gpipe.pipeline import Pipeline
 from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
 from gpipe.rng import derive_seed
 from gpipe.schedule import simulate
-from gpipe.train.checkpoints import Checkpoints, Interrupts, _truncate
+from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.metrics import _bleu_table, _board, _plot, _progress
-from gpipe.train.setup import _data, _model, _optimizer, _rank
+from gpipe.train.metrics import bleu_table, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.setup import make_data, make_model, make_optimizer, process_rank
 
 __all__ = ["one_run", "train"]
 
@@ -76,14 +76,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     distributed = init_from_env()  # (before the data: rank 0 alone trains a vocabulary)
     try:
-        data = _data(cfg)
+        data = make_data(cfg)
     except ConfigError:
         raise
     except ValueError as exc:
         if not cfg.data:
             raise  # synthetic data: the settings were checked, so this is a bug
         raise ConfigError(str(exc)) from exc  # (gpipe.data's errors name the file and what is wrong)
-    model = _model(cfg, data)
+    model = make_model(cfg, data)
     tokens = data.unit != "images"
     # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
     # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
@@ -106,19 +106,19 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         init_seed=cfg.seed,
         cpu_threads=cfg.threads,
     )
-    optimizer = _optimizer(cfg, pipe.parameters())
+    optimizer = make_optimizer(cfg, pipe.parameters())
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
     start = checkpoints.resume() if cfg.resume else 1
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    if _rank() == 0:
-        _truncate(metrics_path, start)
+    if process_rank() == 0:
+        truncate_metrics(metrics_path, start)
     baseline = data.baseline()
     rate = f"{data.unit}_per_s"
     bubble = simulate(pipe.schedule_for(cfg.chunks)).bubble
-    bar = _progress(cfg, start)
-    board = _board(cfg, out, start)
+    bar = progress_bar(cfg, start)
+    board = tensorboard_writer(cfg, out, start)
     last: dict[str, Any] = {}
     shown: dict[str, str] = {}  # the latest evaluation, in the progress bar
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
@@ -161,7 +161,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     shown = {"eval": f"{last['eval_loss']:.3f}"}
                     if "bleu" in last:
                         shown["bleu"] = f"{last['bleu']:.1f}"
-                if _rank() == 0:
+                if process_rank() == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
                 if board is not None:
@@ -190,8 +190,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         bar.close()
     checkpoints.save(done)
     checkpoints.finish()
-    if _rank() == 0:
-        _plot(metrics_path, out / "loss.png", baseline, data.baseline_name)
+    if process_rank() == 0:
+        plot_curves(metrics_path, out / "loss.png", baseline, data.baseline_name)
         nan = float("nan")
         accuracy = f", eval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
         bleu = f", BLEU {last['bleu']:.1f}" if "bleu" in last else ""
@@ -201,5 +201,5 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             f"{out / 'loss.png'}"
         )
         if isinstance(data, TranslationDataset) and "bleu" in last:
-            print(_bleu_table(last, data.pair_sizes))
+            print(bleu_table(last, data.pair_sizes))
     return {**last, "baseline": baseline}

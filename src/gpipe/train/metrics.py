@@ -8,32 +8,32 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.evaluation import resource_groups
-from gpipe.train.config import TrainConfig, _has_tensorboard
-from gpipe.train.setup import _rank
+from gpipe.train.config import TrainConfig, has_tensorboard
+from gpipe.train.setup import process_rank
 
-__all__ = ["_bleu_table", "_board", "_plot", "_progress"]
+__all__ = ["bleu_table", "plot_curves", "progress_bar", "tensorboard_writer"]
 
 
-def _board(cfg: TrainConfig, out: Path, start: int) -> Any:
+def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
     """TensorBoard's writer of OUT/tensorboard on rank 0 (None when off, or auto without the package).
     A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does."""
-    if _rank() != 0 or cfg.tensorboard == "off" or not _has_tensorboard():
+    if process_rank() != 0 or cfg.tensorboard == "off" or not has_tensorboard():
         return None
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
 
 
-def _progress(cfg: TrainConfig, start: int) -> Any:
+def progress_bar(cfg: TrainConfig, start: int) -> Any:
     """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds."""
-    if not cfg.progress or _rank() != 0:
+    if not cfg.progress or process_rank() != 0:
         return None
     from gpipe.train.progress import progress
 
     return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 
 
-def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:
+def plot_curves(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:
     """The loss curves, and BLEU per language pair beside them when there is any."""
     import matplotlib
 
@@ -68,7 +68,7 @@ def _plot(metrics: Path, path: Path, baseline: float, baseline_name: str) -> Non
     plt.close(fig)
 
 
-def _bleu_table(metrics: dict[str, Any], sizes: dict[str, int]) -> str:
+def bleu_table(metrics: dict[str, Any], sizes: dict[str, int]) -> str:
     """The final evaluation per language pair: training sentences, group, eval loss, BLEU."""
     groups = resource_groups(sizes)
     lines = [f"{'pair':<12} {'sentences':>10} {'group':<5} {'eval loss':>9} {'BLEU':>6}"]

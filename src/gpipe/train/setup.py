@@ -29,14 +29,14 @@ from gpipe.recipe import adafactor, rmsprop
 from gpipe.sequential import to_sequential
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["_data", "_model", "_optimizer", "_rank", "translation_model"]
+__all__ = ["make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "adafactor":
         return adafactor(params)
     if cfg.optimizer == "rmsprop":
@@ -44,7 +44,7 @@ def _optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.
     return torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
 
 
-def _data(cfg: TrainConfig) -> Dataset:
+def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
         if cfg.data:
             return hf.text_data(cfg.data, seed=cfg.seed)
@@ -61,7 +61,7 @@ def _data(cfg: TrainConfig) -> Dataset:
     return SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed)
 
 
-def _model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
+def make_model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
     """The model on the meta device: each stage materializes only its own layers."""
     if cfg.model == "hf":
         return _hf_model(cfg, _tokens(data))
@@ -90,7 +90,7 @@ def _vocab(cfg: TrainConfig) -> Vocab:
         if cfg.resume:
             raise ConfigError(f"--resume: the run's vocabulary {str(path)!r} is missing; restore it, or start afresh")
         error = None
-        if _rank() == 0:
+        if process_rank() == 0:
             try:
                 _train_vocab(cfg, path)
             except ValueError as exc:
@@ -101,7 +101,7 @@ def _vocab(cfg: TrainConfig) -> Vocab:
             error = shared[0]
         if error is not None:
             raise ConfigError(error)
-    elif not cfg.vocab and not cfg.resume and _rank() == 0:
+    elif not cfg.vocab and not cfg.resume and process_rank() == 0:
         print(f"using the vocabulary {path} of an earlier run (delete it to train a new one)", file=sys.stderr)
     try:
         return Vocab(path)
