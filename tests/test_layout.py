@@ -171,8 +171,10 @@ def test_every_folder_says_what_it_holds_and_what_it_may_import(name: str) -> No
     assert ast.get_docstring(tree), f"{MODULES[name]} has no docstring"
     body = tree.body[1:]
     head = "\n".join(source.splitlines()[: body[0].lineno - 1 if body else None])
+    part = "library" if _part(name) == "library" else "application"
+    assert part in head.lower(), f"{MODULES[name]}'s docstring does not say it is part of the {part}"
     if name != "gpipe":
-        assert "import" in head, f"{MODULES[name]}'s docstring does not say what the folder may import"
+        assert "imports" in head, f"{MODULES[name]}'s docstring does not say what the folder may import"
 
 
 def test_import_gpipe_is_light() -> None:

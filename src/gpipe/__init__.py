@@ -3,6 +3,10 @@
 The front ends :class:`GPipe` and :class:`Pipeline` take an ``nn.Sequential`` or any module
 (traced into layers by :func:`to_sequential`); the engine beneath them is built around the schedule
 IR in :mod:`gpipe.schedule`.
+
+This is the library: importing it loads none of the applications built on it (``gpipe train``,
+``translate``, ``bench``, the models and data sets) nor their dependencies. The parts and what flows
+between them: docs/architecture.md.
 """
 
 from gpipe import balance, batchnorm, skip  # torchgpipe's module paths: gpipe.balance, gpipe.skip, ...

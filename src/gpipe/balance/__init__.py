@@ -16,6 +16,9 @@ that can miss it), ``balance_by_size`` also measures on the CPU (the bytes autog
 default ``device='cuda'`` means the CPU on a machine without CUDA, the sample may be any pytree,
 parameters that already have gradients are fine (they are restored), and both take a few keywords of
 their own (``chunks``, ``memory_cap``; ``device=None``: where the module is).
+
+Part of the library: imports torch, :mod:`gpipe.memory` and :mod:`gpipe.microbatch`; never the
+applications.
 """
 
 from __future__ import annotations

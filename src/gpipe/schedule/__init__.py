@@ -6,6 +6,9 @@ Generate → validate → simulate → render → execute::
     >>> sim = simulate(make_schedule("1f1b", 4, 8))
     >>> round(sim.bubble, 3), sim.peak_in_flight
     (0.273, (4, 3, 2, 1))
+
+Part of the library, at its bottom: plain data, so it imports neither torch nor any other part of gpipe
+(matplotlib only when a timeline is drawn); the runtime, the planner and the commands import it.
 """
 
 from gpipe.schedule.auto import Candidate, Plan, StageCosts, auto_schedule, peak_memory, plan
