@@ -1,10 +1,9 @@
-"""Traces of real steps: Chrome trace export, and the simulator's prediction from measured costs."""
+"""Traces of real steps: Chrome trace export, the schedule's order kept, and the simulator as a lower bound."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from gpipe import Pipeline
-from gpipe.schedule import simulate
+from gpipe.schedule import dependencies, simulate
 
 
 def blocks(n: int, width: int, hidden: int) -> nn.Sequential:
@@ -46,18 +45,21 @@ def test_chrome_trace_has_every_action(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_simulator_predicts_a_real_step_within_ten_percent(schedule: str) -> None:
-    pipe = Pipeline(
-        blocks(4, 256, 1024), [6, 6], chunks=4, schedule=schedule, loss_fn=F.mse_loss, devices=["cpu", "cpu"]
-    )
-    x, y = torch.randn(256, 256), torch.randn(256, 256)
-    pipe.step(x, y)  # warm-up
-    errors = []
-    for _ in range(5):
+def test_a_real_step_keeps_the_schedule_and_the_simulator_bounds_it(schedule: str) -> None:
+    """What holds however loaded the machine is: no action starts before the actions whose results it
+    consumes have ended, and the simulator fed the step's own action durations (no hand-over time)
+    predicts no more than the step took — a lower bound. How close the two are is a timing, measured in
+    ``gpipe bench`` (its runtime-overhead section), not asserted here."""
+    pipe = Pipeline(blocks(4, 64, 256), [6, 6], chunks=4, schedule=schedule, loss_fn=F.mse_loss, devices=["cpu", "cpu"])
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    for _ in range(3):
         pipe.step(x, y)
         trace = pipe.last_trace
         assert trace is not None
-        measured = trace.timeline().makespan
-        predicted = simulate(trace.schedule, trace.costs().__getitem__).makespan
-        errors.append(abs(measured - predicted) / measured)
-    assert statistics.median(errors) < 0.10, errors
+        measured = trace.timeline()
+        for action in trace.schedule:
+            start, _ = measured.spans[action]
+            for dep in dependencies(action, trace.schedule):
+                assert measured.spans[dep][1] <= start + 1e-6, (action, dep, measured.spans[dep], start)
+        predicted = simulate(trace.schedule, trace.costs().__getitem__)
+        assert 0 < predicted.makespan <= measured.makespan + 1e-6, (predicted.makespan, measured.makespan)

@@ -292,6 +292,7 @@ class Executor:
                 run.saved[(s, m)] = saved
                 if run.meter is not None and saved.outputs is None:
                     run.meter.hold(s, m, saved.inputs.tensors())
+            end = time.perf_counter_ns()  # before the hand-over: its consumer may start at once
             run.mailbox.put(("act", m, s + 1), out)
         else:
             saved = run.saved.get((s, m))
@@ -304,6 +305,7 @@ class Executor:
                 start = time.perf_counter_ns()
                 stage.backward_weight(m, saved)
                 self._release(s, m, run)
+                end = time.perf_counter_ns()
             else:
                 grads = run.mailbox.get(("grad", m, s))
                 start = time.perf_counter_ns()
@@ -314,8 +316,9 @@ class Executor:
                         self._release(s, m, run)
                     else:
                         input_grads = stage.backward_input(m, saved, grads, run.ctx)
+                end = time.perf_counter_ns()
                 run.mailbox.put(("grad", m, s - 1), input_grads)
-        run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
+        run.trace.append(TraceEvent(worker, action, start, end))
 
     @staticmethod
     def _release(s: int, m: int, run: StepRun) -> None:
