@@ -283,3 +283,11 @@ def test_blockpartition_gives_blocks() -> None:
     assert blockpartition.solve([4, 7, 7, 3, 6, 9, 6, 2], 3) == [[4, 7], [7, 3, 6], [9, 6, 2]]  # the exact split
     with pytest.raises(ValueError, match="partitions must be positive"):
         blockpartition.solve([1], partitions=0)
+
+
+def test_a_sample_that_does_not_fit_the_model_is_named_as_such() -> None:
+    """balance='auto' with a sample of the wrong width: the error names the layer and the shapes, not
+    only torch's matmul message (issue 24, item 13)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match=r"layer 0 \(Linear\) fails on the sample's micro-batch \(shapes: \(4, 5\)\)"):
+        Pipeline(model, "auto", chunks=2, devices=["cpu", "cpu"], sample=torch.randn(8, 5), loss_fn=F.mse_loss)

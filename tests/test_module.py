@@ -107,3 +107,9 @@ def test_dtype_casts_are_allowed() -> None:
     assert gp.to(torch.float64, True) is gp  # (non_blocking, positionally)
     assert gp.to(dtype=torch.float16).half().to(device=None, dtype=torch.float32) is gp
     assert all(p.dtype == torch.float32 for p in gp.parameters())
+
+
+def test_a_fraction_of_a_chunk_is_refused() -> None:
+    """torchgpipe cuts chunks=2.5 to 2 micro-batches without a word; GPipe says it (issue 24, item 13)."""
+    with pytest.raises(ValueError, match=r"whole number of micro-batches \(chunks: 2.5\)"):
+        GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks=2.5)  # type: ignore[arg-type]

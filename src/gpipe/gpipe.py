@@ -172,7 +172,8 @@ class GPipe(nn.Module):
 
 
 def _as_chunks(chunks: Any) -> int:
-    """``int(chunks)`` as torchgpipe takes it (42.0 and '8' are fine), then checked positive."""
+    """``int(chunks)`` as torchgpipe takes it (42.0 and '8' are fine), then checked positive; a number
+    with a fraction (2.5) is refused, where torchgpipe would quietly cut it to 2."""
     if isinstance(chunks, bool):
         return check_chunks(chunks)  # (refused: True is no number of micro-batches)
     try:
@@ -181,6 +182,8 @@ def _as_chunks(chunks: Any) -> int:
         raise TypeError(f"number of chunks must be a positive integer (chunks: {chunks!r})") from None
     except ValueError:
         raise ValueError(f"number of chunks must be a positive integer (chunks: {chunks!r})") from None
+    if isinstance(chunks, float) and chunks != number:
+        raise ValueError(f"number of chunks must be a whole number of micro-batches (chunks: {chunks!r})")
     return check_chunks(number)
 
 

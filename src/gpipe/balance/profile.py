@@ -160,13 +160,28 @@ def layer_times(
                 inputs = as_leaves(batch)
                 _sync(dev)
                 tick = time.perf_counter()
-                outputs = Batch.of(layer(inputs.value))
+                outputs = _call(i, layer, inputs)
                 backward_through(outputs)
                 _sync(dev)
                 runs[i].append(time.perf_counter() - tick)
                 batch = outputs.map(Tensor.detach)
             passes += 1
     return [statistics.median(r[1:] or r) for r in runs]
+
+
+def _call(index: int, layer: nn.Module, inputs: Batch) -> Batch:
+    """``layer`` on ``inputs``. An error names the layer and the shapes it was given: that is what a
+    sample which does not fit the model looks like (torch's own words alone, such as "mat1 and mat2
+    shapes cannot be multiplied", do not say where)."""
+    try:
+        return Batch.of(layer(inputs.value))
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        shapes = ", ".join(str(tuple(t.shape)) for t in inputs.tensors()) or "no tensors"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"layer {index} ({type(layer).__name__}) fails on the sample's micro-batch (shapes: {shapes}): "
+            f"{message} — pass a sample the model takes as its input (a mini-batch; it is split into chunks)"
+        ) from exc
 
 
 def layer_memory(
