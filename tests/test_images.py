@@ -134,3 +134,18 @@ def test_amoebanet_on_npz_data_from_the_command_line(tmp_path: Path, capsys: pyt
     assert "exceeds the model's 5 layers (AmoebaNet-D(1, ...) has L + 4)" in capsys.readouterr().err
     assert main(["train", *flags, "--data", str(tmp_path / "missing.npz"), "--out", str(tmp_path / "r")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_micro_batches_too_small_for_batch_norm_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """8x8 images end as 1x1 feature maps: a micro-batch of one image has one value per channel, which
+    batch norm cannot normalize. One line with the numbers, not a traceback (issue 24, item 8)."""
+    out = tmp_path / "run"
+    argv = ["train", "--model", "amoebanet", "--image-size", "8", "--out", str(out), "--steps", "1", "--no-progress"]
+    assert main([*argv, "--batch", "4", "--chunks", "4"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert "--batch 4 in --chunks 4 makes micro-batches of 1 image(s)" in err and "1 pixel(s)" in err, err
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert main([*argv, "--batch", "8", "--chunks", "4", "--eval-every", "1"]) == 0  # two images: fine

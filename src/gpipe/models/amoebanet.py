@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
-__all__ = ["NORMAL", "REDUCTION", "amoebanet_d"]
+__all__ = ["NORMAL", "REDUCTION", "amoebanet_d", "smallest_feature_map"]
 
 States = tuple[Tensor, Tensor]
 
@@ -211,3 +211,26 @@ def amoebanet_d(
             add(filters * 2**i, False)
     cells.append(Classifier(prev, classes))
     return nn.Sequential(*cells)
+
+
+def smallest_feature_map(model: nn.Module, image: tuple[int, ...]) -> int:
+    """The fewest pixels per image that any batch norm of ``model`` normalizes, for images of shape
+    ``image`` (C, H, W): found by running ``model`` on the meta device, so nothing is computed. A
+    batch norm in training needs more than one value per channel, so a micro-batch of ``n`` images
+    needs ``n`` times this to be at least 2."""
+    seen: list[int] = []
+
+    def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        seen.append(args[0][0, 0].numel())
+
+    if not all(p.is_meta for p in model.parameters()):
+        raise ValueError("smallest_feature_map runs the model on the meta device: build it there")
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    handles = [m.register_forward_pre_hook(record) for m in norms]
+    try:
+        with torch.no_grad():
+            model(torch.empty(2, *image, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    return min(seen, default=2)

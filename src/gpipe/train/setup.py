@@ -24,7 +24,7 @@ from gpipe.data import (
     TokenDataset,
 )
 from gpipe.data.vocab import Vocab, read_pairs, train_vocab
-from gpipe.models import amoebanet_d, hf, transformer
+from gpipe.models import amoebanet, amoebanet_d, hf, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.sequential import to_sequential
 from gpipe.train.config import ConfigError, TrainConfig
@@ -65,13 +65,30 @@ def make_model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
     """The model on the meta device: each stage materializes only its own layers."""
     if cfg.model == "hf":
         return _hf_model(cfg, _tokens(data))
+    if cfg.model == "amoebanet":
+        images = _images(data)
+        with torch.device("meta"):
+            model = amoebanet_d(cfg.depth, cfg.filters, classes=images.classes, in_channels=images.channels,
+                                stem_cells=cfg.stem_cells)  # fmt: skip
+        _check_batch_norm(cfg, model, tuple(images.batch(1, 0).inputs.shape[1:]))
+        return model
+    tokens = _tokens(data)
     with torch.device("meta"):
-        if cfg.model == "amoebanet":
-            data = _images(data)
-            return amoebanet_d(cfg.depth, cfg.filters, classes=data.classes, in_channels=data.channels,
-                               stem_cells=cfg.stem_cells)  # fmt: skip
-        tokens = _tokens(data)
         return translation_model(cfg, tokens.vocab, tokens.length)
+
+
+def _check_batch_norm(cfg: TrainConfig, model: torch.nn.Module, image: tuple[int, ...]) -> None:
+    """Each micro-batch is normalized with its own statistics, which needs more than one value per
+    channel in every batch norm: refuse micro-batches too small for the model's last feature maps."""
+    smallest = min(len(part) for part in torch.empty(cfg.batch).chunk(cfg.chunks))  # (as scatter splits)
+    pixels = amoebanet.smallest_feature_map(model, image)
+    if smallest * pixels < 2:
+        raise ConfigError(
+            f"--batch {cfg.batch} in --chunks {cfg.chunks} makes micro-batches of {smallest} image(s), and at "
+            f"{image[1]}x{image[2]} pixels AmoebaNet-D's smallest feature maps have {pixels} pixel(s): batch norm, "
+            "computed per micro-batch, needs more than one value per channel. Raise --batch or --image-size, "
+            "or lower --chunks"
+        )
 
 
 def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Sequential:
