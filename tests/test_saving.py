@@ -89,3 +89,40 @@ def test_load_errors(tmp_path: Path) -> None:
     assert manifest == {"format": "gpipe-dcp-1", "step": 1, "num_layers": 2, "optimizer": None}
     with pytest.raises(TypeError, match=r"expected a gpipe\.Pipeline or gpipe\.GPipe"):
         save_checkpoint(nn.Linear(2, 2), tmp_path, 2)
+
+
+@pytest.mark.parametrize("how", ["deleted", "incomplete", "no latest"])
+def test_a_broken_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path: Path, how: str) -> None:
+    """``latest`` naming a step folder that is gone or incomplete (or no ``latest`` at all) while
+    complete checkpoints are there: load the newest of them and say so (issue 24, item 7)."""
+    import shutil
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), [1, 1], chunks=2, loss_fn=F.mse_loss,
+                    devices=["cpu", "cpu"])  # fmt: skip
+    for step in (2, 10, 11):
+        save_checkpoint(pipe, tmp_path, step)
+        if step == 10:
+            expected = {k: v.clone() for k, v in gpipe.saving.layer_state(pipe).items()}
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p.add_(1.0)
+    if how == "deleted":
+        shutil.rmtree(tmp_path / "step-00000011")
+    elif how == "incomplete":
+        (tmp_path / "step-00000011" / "manifest.json").unlink()
+    else:
+        shutil.rmtree(tmp_path / "step-00000011")
+        (tmp_path / "latest").unlink()
+    with pytest.warns(RuntimeWarning, match="using step-00000010, the newest complete checkpoint"):
+        assert gpipe.saving.latest(tmp_path) == tmp_path / "step-00000010"
+    with pytest.warns(RuntimeWarning, match="step-00000010"):
+        assert load_checkpoint(pipe, tmp_path) == 10
+    for name, value in gpipe.saving.layer_state(pipe).items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_no_complete_checkpoint_is_still_none(tmp_path: Path) -> None:
+    assert gpipe.saving.latest(tmp_path) is None
+    (tmp_path / "step-00000003").mkdir()  # a folder without its manifest: not a checkpoint
+    assert gpipe.saving.latest(tmp_path) is None

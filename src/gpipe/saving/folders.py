@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -257,13 +258,15 @@ def _commit(root: Path, target: Path, staging: Path, manifest: dict[str, Any]) -
 
 
 def latest(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint in ``directory``, if any."""
+    """The newest complete checkpoint in ``directory``, if any: the one ``latest`` names, or — when
+    that one is gone or incomplete (a folder deleted by hand, a copy that left some out), or there is
+    no ``latest`` — the complete ``step-*`` folder of the highest step, with a warning that says so."""
     root = Path(directory)
     pointer = root / LATEST
     try:
         name = pointer.read_text().strip()
     except FileNotFoundError:
-        return None
+        return _newest_complete(root, f"{pointer} is missing")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{pointer}: unreadable ({e})") from e
     if not _STEP.fullmatch(name):
@@ -272,7 +275,19 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     if _complete(target):
         return target
     aside = _aside(target)  # a save was swapping it, or was killed while it did
-    return aside if _complete(aside) else None
+    if _complete(aside):
+        return aside
+    return _newest_complete(root, f"{pointer} names {name}, which is {'incomplete' if target.exists() else 'missing'}")
+
+
+def _newest_complete(root: Path, why: str) -> Path | None:
+    """The complete ``step-*`` folder of the highest step in ``root`` (announced, with ``why``), or None."""
+    steps = [p for p in root.glob("step-*") if _STEP.fullmatch(p.name)] if root.is_dir() else []
+    steps.sort(key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+    found = next((p for p in steps if _complete(p)), None)
+    if found is not None:
+        warnings.warn(f"{why}; using {found.name}, the newest complete checkpoint there", RuntimeWarning, stacklevel=3)
+    return found
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

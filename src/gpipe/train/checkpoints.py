@@ -82,7 +82,7 @@ class Checkpoints:
         found = latest(self.root)
         if found is None:
             raise ConfigError(f"--resume: no checkpoint in {str(self.root)!r}")
-        step = load(self.pipe, self.root, optimizer=self.optimizer)
+        step = load(self.pipe, found, optimizer=self.optimizer)
         try:
             self.scheduler.load_state_dict(json.loads((found / SCHEDULER).read_text()))
         except (OSError, ValueError) as exc:
