@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gpipe.cli import main
 from gpipe.data import SyntheticTranslation
@@ -183,3 +184,31 @@ def test_tensorboard_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         quick(tmp_path / "on", tensorboard="on").check()
     with pytest.raises(ValueError, match="unknown --tensorboard 'yes'; choose one of auto, on, off"):
         quick(tmp_path / "on", tensorboard="yes").check()
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_earlier_checkpoint_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills up at the second checkpoint: one line and exit 2, not a NoSpaceError traceback;
+    the first checkpoint is intact and --resume goes on from it (issue 24, item 6)."""
+    import errno
+    import os
+
+    argv = ["train", "--out", str(tmp_path), "--no-progress", "--steps", "4", "--checkpoint-every", "2",
+            "--eval-every", "4", "--tensorboard", "off"]  # fmt: skip
+    real_save, calls = torch.save, {"n": 0}
+
+    def full_after_the_first_checkpoint(obj: object, f: object) -> None:
+        calls["n"] += 1
+        if calls["n"] > 1 and (tmp_path / "checkpoints" / "step-00000002").exists():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, f)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", full_after_the_first_checkpoint)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: no space left on device"), err
+    assert "the earlier checkpoints are intact" in err
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main([*argv, "--resume"]) == 0
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4]

@@ -32,7 +32,7 @@ from dataclasses import fields
 from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError
-from gpipe.saving import CheckpointError
+from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, read_config_file
 from gpipe.train.loop import one_run, train
 from gpipe.train.setup import translation_model
@@ -70,12 +70,15 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe train``. A bad flag, setting, path or checkpoint (:class:`ConfigError`,
-    ``CheckpointError``) is one line ``error: ...`` and exit status 2; any other exception is a bug
+    ``CheckpointError``, a full disk) is one line ``error: ...`` and exit status 2; any other exception is a bug
     and keeps its traceback."""
     try:
         train(parse(argv))
     except (UsageError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except NoSpaceError as exc:  # the checkpoints before it are intact (a save commits whole or not at all)
+        print(f"error: {exc.strerror}; the earlier checkpoints are intact: free space, then --resume", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
