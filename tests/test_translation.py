@@ -7,6 +7,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 import torch
@@ -163,6 +164,36 @@ def test_translate_from_a_checkpoint_at_any_partition_count(
     translator = Translator(out)
     assert translator.translate([h[0] for h in held[:4]], to="ya", beam=1) == lines[:4]
     assert len(translator.translate([held[0][0]], to="ya", beam=3)) == 1
+
+
+def test_translate_writes_its_output_whole_or_not_at_all(
+    run: tuple[Path, dict[str, float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The disk fills up while --output is written: one line, exit 2, and the file as it was (it was
+    written in place: left at 0 bytes, with a raw OSError traceback) (issue 24, item 5)."""
+    import errno
+    import io
+    import os
+
+    sources, target = tmp_path / "in.txt", tmp_path / "out.txt"
+    sources.write_text("vude dalo\n", encoding="utf-8")
+    target.write_text("yesterday's translations\n", encoding="utf-8")
+
+    class Full(io.StringIO):
+        def writelines(self, lines: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_disk(path: str, mode: str = "r", **kwargs: Any) -> IO[str]:
+        return Full() if "w" in mode else open(path, mode, **kwargs)
+
+    monkeypatch.setattr("gpipe.translate.open", full_disk, raising=False)
+    argv = ["translate", "--checkpoint", str(run[0]), "--input", str(sources), "--output", str(target), "--to", "ya"]
+    assert main([*argv, "--beam", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot write --output" in err and "no space left" in err, err
+    assert target.read_text(encoding="utf-8") == "yesterday's translations\n"
+    assert {p.name for p in tmp_path.iterdir()} == {"in.txt", "out.txt"}  # no temporary file left behind
 
 
 @pytest.mark.parametrize(

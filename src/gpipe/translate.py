@@ -42,7 +42,7 @@ from gpipe.data.vocab import Vocab
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decode_batch
 from gpipe.pipeline import Pipeline
-from gpipe.saving import CheckpointError, latest, load
+from gpipe.saving import CheckpointError, latest, load, write_atomically
 
 __all__ = ["Translator", "find_checkpoint", "main"]
 
@@ -191,6 +191,23 @@ def _opened(path: str | None, mode: str, default: IO[str]) -> Iterator[IO[str]]:
         yield f
 
 
+def _write(path: str | None, lines: list[str]) -> None:
+    """The translations to standard output, or to the file ``path`` whole or not at all: written aside
+    and renamed into place, so that a kill or a full disk leaves the file as it was."""
+    if path is None:
+        sys.stdout.writelines(lines)
+        return
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+
+    try:
+        write_atomically(Path(path), write)
+    except OSError as exc:  # a full disk (NoSpaceError), a folder that is not there, no permission
+        raise UsageError(f"cannot write --output {path!r}: {exc.strerror or exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe translate``; a bad flag, checkpoint or input line is one line ``error: ...``, status 2."""
     try:
@@ -219,8 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines, to=args.to, beam=args.beam, length_penalty=args.length_penalty, batch=args.batch
         )
         if not dist.is_initialized() or dist.get_rank() == 0:
-            with _opened(args.output, "w", sys.stdout) as f:
-                f.writelines(t + "\n" for t in translations)
+            _write(args.output, [t + "\n" for t in translations])
     except (UsageError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
