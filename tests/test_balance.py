@@ -14,6 +14,7 @@ from torch import nn
 
 from gpipe import GPipe, Pipeline
 from gpipe.balance import (
+    balance_by_flops,
     balance_by_params,
     balance_by_size,
     balance_by_time,
@@ -291,3 +292,8 @@ def test_a_sample_that_does_not_fit_the_model_is_named_as_such() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     with pytest.raises(ValueError, match=r"layer 0 \(Linear\) fails on the sample's micro-batch \(shapes: \(4, 5\)\)"):
         Pipeline(model, "auto", chunks=2, devices=["cpu", "cpu"], sample=torch.randn(8, 5), loss_fn=F.mse_loss)
+    for measure in (balance_by_size, balance_by_flops):  # every profile of the layers says the same
+        with pytest.raises(
+            ValueError, match=r"layer 0 \(Linear\) fails on the sample's micro-batch \(shapes: \(8, 5\)\)"
+        ):
+            measure(2, model, torch.randn(8, 5))

@@ -128,10 +128,10 @@ def each_layer(
     """Every layer (in training mode, on ``device``) with its input, the previous layers' output on
     ``batch``, in a sandbox."""
     with _training_layers(module, device) as layers:
-        for layer in layers:
+        for i, layer in enumerate(layers):
             yield layer, batch
             with torch.no_grad():  # (on a copy: a layer working in place leaves the caller's input be)
-                batch = Batch.of(layer(batch.map(Tensor.clone).value))
+                batch = _call(i, layer, batch.map(Tensor.clone))
 
 
 def layer_times(
@@ -200,24 +200,24 @@ def layer_memory(
     dev = profiling_device(device, module)
     batch = _first_micro_batch(sample, chunks, dev)
     sizes = []
-    for layer, inputs in each_layer(module, batch, dev):
+    for i, (layer, inputs) in enumerate(each_layer(module, batch, dev)):
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        sizes.append(_activation_bytes(layer, as_leaves(inputs), dev) + param_scale * params)
+        sizes.append(_activation_bytes(i, layer, as_leaves(inputs), dev) + param_scale * params)
     return sizes
 
 
-def _activation_bytes(layer: nn.Module, inputs: Batch, device: torch.device) -> float:
+def _activation_bytes(index: int, layer: nn.Module, inputs: Batch, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        outputs = Batch.of(layer(inputs.value))
+        outputs = _call(index, layer, inputs)
         peak = torch.cuda.max_memory_allocated(device) - base
         del outputs
         return float(peak)
     meter = ActivationMeter({0: 0}, 1, layer.parameters())  # what a stage's meter counts, for one layer
     with meter.recording(0, 0):
-        outputs = Batch.of(layer(inputs.value))
+        outputs = _call(index, layer, inputs)
     meter.hold(0, 0, outputs.tensors())  # what it hands on, unless it also saved it
     return float(meter.peak[0])
 
@@ -232,9 +232,9 @@ def layer_flops(module: nn.Sequential, sample: Any, *, chunks: int = 1, backward
     dev = next(module.parameters(), torch.empty(0)).device
     batch = _first_micro_batch(sample, chunks, dev)
     flops = []
-    for layer, inputs in each_layer(module, batch):
+    for i, (layer, inputs) in enumerate(each_layer(module, batch)):
         with FlopCounterMode(display=False) as counter:
-            outputs = Batch.of(layer(as_leaves(inputs).value))
+            outputs = _call(i, layer, as_leaves(inputs))
             if backward:
                 backward_through(outputs)
         flops.append(float(counter.get_total_flops()))
