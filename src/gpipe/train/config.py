@@ -11,6 +11,7 @@ import json
 import math
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,7 @@ class ConfigTypeError(ConfigError, TypeError):
     """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
 
 
-for _error in (ConfigError, ConfigTypeError):
-    _error.__module__ = "gpipe.train"  # their public name, which tracebacks print
+ConfigError.__module__ = ConfigTypeError.__module__ = "gpipe.train"  # their public name, which tracebacks print
 
 # The built-in models' size flags: --model hf takes its size from its config instead.
 _SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
@@ -355,7 +355,9 @@ class TrainConfig:
         if self.resume:
             checkpoints = out / "checkpoints"
             try:
-                found = latest(checkpoints)
+                with warnings.catch_warnings():  # a fallback to an older step is said once, when it is loaded
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    found = latest(checkpoints)
             except CheckpointError as exc:
                 raise ConfigError(f"--resume: {exc}") from exc
             if found is None:
