@@ -26,13 +26,11 @@ from pathlib import Path
 
 # Runs inside each measuring process, with the tree's gpipe on the path.
 _MEASURE = """
-import json, statistics, torch
-from gpipe.bench.engine import Sizes, host, lm
+import dataclasses, json, statistics, torch
+from gpipe.bench.common import Bench
+from gpipe.bench.engine import host, lm, sizes
 torch.set_num_threads(1)
-s = Sizes(lm_layers=2, lm_hidden=1024, lm_dim=256, batch=64, seq=32, chunks=(32,), dropouts=(0.1,),
-          tiny_layers=24, tiny_width=8, tiny_batch=32, tiny_chunks=8, tiny_steps=10, compiled_layers=2,
-          compiled_hidden=1024, compiled_dim=256, compiled_batch=64, compiled_seq=32, compiled_chunks=8,
-          compiled_dropout=0.1, repeats=REPEATS)
+s = dataclasses.replace(sizes(Bench(quick=True, repeats=REPEATS)), chunks=(32,), dropouts=(0.1,))
 h = host(s)
 a = lm(s)
 print(json.dumps({"host_ratio": statistics.median(h["ratio"]), "host_extra_us": statistics.median(h["extra_us"]),

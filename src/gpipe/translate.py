@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
-from gpipe.commands.args import ArgumentParser, UsageError
+from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.data import EOS, PAD
 from gpipe.data.vocab import Vocab
 from gpipe.distributed import init_from_env
@@ -179,12 +179,13 @@ def _parser() -> ArgumentParser:
 
 
 @contextlib.contextmanager
-def _opened(path: str | None, mode: str, default: IO[str]) -> Iterator[IO[str]]:
+def _input(path: str | None) -> Iterator[IO[str]]:
+    """The file ``path`` to read, or standard input."""
     if path is None:
-        yield default
+        yield sys.stdin
         return
     try:
-        f = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed below
+        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise UsageError(f"cannot open {path!r}: {exc.strerror}") from None
     with f:
@@ -227,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         translator = Translator(args.checkpoint, partitions=partitions, chunks=args.chunks)
         if args.to is not None:
             translator.language(args.to)
-        with _opened(args.input, "r", sys.stdin) as f:
+        with _input(args.input) as f:
             try:
                 lines = f.read().splitlines()
             except UnicodeDecodeError as exc:
@@ -238,6 +239,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             _write(args.output, [t + "\n" for t in translations])
     except (UsageError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
     return 0

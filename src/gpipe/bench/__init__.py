@@ -31,7 +31,7 @@ import torch
 
 from gpipe.bench import engine, memory, overhead, peers, throughput
 from gpipe.bench.common import Bench, Section
-from gpipe.commands.args import ArgumentParser
+from gpipe.commands.args import ArgumentParser, refuse
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -201,8 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         only = [s for s in args.only.split(",") if s]
         check(Path(args.out), only, args.repeats)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
     report = run(Path(args.out), quick=not args.full, only=only, repeats=args.repeats,
                  log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     print(f"report: {report}")

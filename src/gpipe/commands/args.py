@@ -27,7 +27,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
 
 
-def refuse(error: BaseException) -> int:
+def refuse(error: BaseException | str) -> int:
     """Print ``error`` as the one line ``error: ...`` on standard error; the exit status 2."""
     print(f"error: {error}", file=sys.stderr)
     return 2

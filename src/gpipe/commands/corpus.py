@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe.commands.args import ArgumentParser, positive
+from gpipe.commands.args import ArgumentParser, positive, refuse
 
 __all__ = ["main"]
 
@@ -43,8 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        print(f"error: --out {args.out!r} is a file; name a folder", file=sys.stderr)
-        return 2
+        return refuse(f"--out {args.out!r} is a file; name a folder")
     data = SyntheticTranslation(sizes=args.sizes, held_out=args.held_out, seed=args.seed)
     files = data.write(out)
     for name, size in data.pair_sizes.items():

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from gpipe.commands.args import ArgumentParser, UsageError, positive
+from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
 from gpipe.gpipe import GPipe
 from gpipe.schedule import make_schedule, simulate
 
@@ -75,8 +74,7 @@ def demo(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = _demo_model(args.width, args.depth, args.classes)
     if args.partitions > len(model):
-        print(f"error: --partitions {args.partitions} exceeds the model's {len(model)} layers", file=sys.stderr)
-        return 2
+        return refuse(f"--partitions {args.partitions} exceeds the model's {len(model)} layers")
     balance = _even_balance(len(model), args.partitions)
     pipe = GPipe(model, balance, devices=["cpu"] * args.partitions, chunks=args.chunks, checkpoint=args.checkpoint)
 

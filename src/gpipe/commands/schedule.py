@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from collections.abc import Sequence
 
 from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
@@ -126,8 +125,7 @@ def _fixed(args: argparse.Namespace) -> int:
     costs = dict(args.costs)
     transfer = costs.pop("transfer", 0.0)
     if costs.pop("jitter", 0.0):
-        print("error: jitter=... is for --auto (it ranks candidates by their expected step time)", file=sys.stderr)
-        return 2
+        return refuse("jitter=... is for --auto (it ranks candidates by their expected step time)")
     try:
         sched = make_schedule(args.schedule, args.stages, args.chunks, args.virtual)
     except ValueError as exc:

@@ -56,8 +56,7 @@ class NoSpaceError(OSError):
     """A checkpoint could not be written for lack of space (``errno.ENOSPC`` or ``errno.EDQUOT``)."""
 
 
-for _error in (CheckpointError, NoSpaceError):
-    _error.__module__ = "gpipe.saving"  # their public name, which tracebacks print
+CheckpointError.__module__ = NoSpaceError.__module__ = "gpipe.saving"  # their public name, which tracebacks print
 
 # Writing.
 

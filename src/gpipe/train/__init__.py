@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from gpipe.commands.args import ArgumentParser, UsageError
+from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, read_config_file
 from gpipe.train.loop import one_run, train
@@ -75,11 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse(argv))
     except (UsageError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
     except NoSpaceError as exc:  # the checkpoints before it are intact (a save commits whole or not at all)
-        print(f"error: {exc.strerror}; the earlier checkpoints are intact: free space, then --resume", file=sys.stderr)
-        return 2
+        return refuse(f"{exc.strerror}; the earlier checkpoints are intact: free space, then --resume")
     except KeyboardInterrupt:
         return 130
     return 0
