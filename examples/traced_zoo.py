@@ -62,6 +62,12 @@ def zoo() -> dict[str, tuple[Callable[[], nn.Module], Any]]:
             ),
             decoder,
         ),
+        "mixtral": (  # with its router logits, for the load-balancing loss after the blocks
+            lambda: hf.MixtralForCausalLM(
+                hf.MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4, output_router_logits=True)
+            ),
+            decoder,
+        ),
         "roberta": (lambda: hf.RobertaModel(hf.RobertaConfig(**small)), decoder),
         "distilbert": (
             lambda: hf.DistilBertModel(
@@ -83,6 +89,10 @@ def zoo() -> dict[str, tuple[Callable[[], nn.Module], Any]]:
                 )
             ),
             {**decoder, "decoder_input_ids": ids[:, :6]},
+        ),
+        "beit": (  # sizes passed to the blocks; not bitwise (see docs/sequential.md)
+            lambda: hf.BeitModel(hf.BeitConfig(**small, image_size=32, patch_size=8, use_relative_position_bias=True)),
+            images,
         ),
         "resnet18": (lambda: tv.resnet18(num_classes=5), images),
         "mobilenet_v2": (lambda: tv.mobilenet_v2(num_classes=5), images),

@@ -64,8 +64,8 @@ class GPipe(nn.Module):
             By default the caller's threads are shared out among the CPU partitions. CPU kernels
             may sum in another order with another thread count, so fix this (e.g. to 1) for
             gradients bitwise identical across partition counts on CPU.
-        sample: a mini-batch to trace a module that is not an ``nn.Sequential``, and to time the
-            layers on for ``balance='auto'`` (not in torchgpipe).
+        sample: a mini-batch to trace a module that is not an ``nn.Sequential`` (on its first
+            micro-batch), and to time the layers on for ``balance='auto'`` (not in torchgpipe).
 
     Example::
 
@@ -91,7 +91,7 @@ class GPipe(nn.Module):
         # As torchgpipe: chunks through int() (42.0, '8'), checkpoint through str(), then checked.
         self.checkpoint = check_mode(str(checkpoint))
         self.chunks = _as_chunks(chunks)
-        module = as_layers(module, sample)
+        module = as_layers(module, sample, self.chunks)
         balance = as_balance(balance)  # (a NumPy array of counts: a list)
         if balance is None:
             raise ValueError(

@@ -65,8 +65,8 @@ class Pipeline(nn.Module):
         data_parallel: under torch.distributed, replicas of the pipeline (world = data_parallel x K,
             a DeviceMesh ("dp", "pp")); each trains on its share of the global mini-batch.
         init_seed: the seed layers built here (factories, the meta device) are initialized from.
-        sample: a mini-batch of inputs: to trace a module that is not an ``nn.Sequential``, and
-            to time the layers for ``balance='auto'``.
+        sample: a mini-batch of inputs: to trace a module that is not an ``nn.Sequential`` (on its
+            first micro-batch, what the first layer gets), and to time the layers for ``balance='auto'``.
         tied: groups of '<layer index>.<parameter name>' that are one parameter; copies' gradients
             are summed. Parameters several layers hold as one object are tied without being named.
         init_fn: initializes a layer materialized from the meta device in place (default: the
@@ -116,7 +116,8 @@ class Pipeline(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.engine = build(
-            as_layers(module, sample), as_balance(balance), schedule=schedule, chunks=self.chunks, loss_fn=loss_fn,
+            as_layers(module, sample, self.chunks * data_parallel), as_balance(balance), schedule=schedule,
+            chunks=self.chunks, loss_fn=loss_fn,
             devices=devices, virtual=virtual, cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm,
             timeout=timeout, data_parallel=data_parallel, init_seed=init_seed, sample=sample, tied=tied,
             init_fn=init_fn, distributed=distributed,

@@ -25,6 +25,10 @@ without glue code:
    the last. A layer passes the next, as a tuple, exactly the values a later layer still reads
    (the hidden state, masks, position ids, the encoder's output); the first layer takes the
    module's input, packed as one value, and the last returns the module's output structure.
+   Values a block computes for the code after the blocks without returning them — the router
+   logits a mixture-of-experts model's hooks collect for its load-balancing loss, the attention
+   weights of ``output_attentions=True`` — are caught where a module inside the block returns
+   them, and travel on as the block's extra outputs.
 
 The code between blocks (the *glue*) runs as the traced operators, with three adjustments: its
 dropout follows the layer's training mode (it is traced in training mode; an ``nn.Dropout`` module
@@ -32,7 +36,9 @@ there is called as itself), tensors it creates go to the layer's device (the tra
 baked in), and the traced device/dtype assertions are dropped. What the glue does by branching on
 ``self.training`` or on tensor values is fixed at tracing time, as in any export.
 
-Applied in order to the example input, the layers give the module's output — bitwise in eval mode.
+Applied in order to the example input, the layers give the module's output — bitwise in eval mode,
+where the model's code takes the same path under ``torch.export`` as in eager mode (Hugging Face's
+mask builders do not: see docs/sequential.md).
 Parameters and buffers keep their qualified names in each layer's ``state_dict`` (layer 3 of a
 GPT-2 holds ``transformer.h.2.attn.c_attn.weight``). A parameter used by two layers (GPT-2's token
 embedding and its tied LM head) is the same object in both: :class:`gpipe.Pipeline` and
@@ -41,7 +47,8 @@ stages.
 
 Part of the library: imports torch and :mod:`gpipe.microbatch`, never the applications. The
 export in :mod:`~gpipe.sequential.export`, the coarse graph in :mod:`~gpipe.sequential.glue`, the
-layers' ends in :mod:`~gpipe.sequential.layers`, the cut in :mod:`~gpipe.sequential.cut`.
+values caught inside the blocks in :mod:`~gpipe.sequential.taps`, the layers' ends in
+:mod:`~gpipe.sequential.layers`, the cut in :mod:`~gpipe.sequential.cut`.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
-from gpipe.microbatch import as_dicts
+from gpipe.microbatch import as_dicts, batch_size, scatter
 from gpipe.sequential.cut import _cut
 from gpipe.sequential.export import (
     ToSequentialError,
@@ -68,6 +75,7 @@ from gpipe.sequential.export import (
     unpack,
 )
 from gpipe.sequential.glue import _Coarse
+from gpipe.sequential.taps import _Recorder
 
 __all__ = ["ToSequentialError", "as_layers", "pack", "repeated_blocks", "to_sequential", "unpack"]
 
@@ -80,8 +88,11 @@ def to_sequential(
 
     The first layer takes the example's inputs packed as one value — the tensor for ``module(x)``,
     a tuple for ``module(x, y)``, a dict for ``module(**batch)`` — and checks what it is given
-    against them (structure, non-tensor values, shapes the trace depends on). Keyword arguments
-    without tensors (``use_cache=False``) are settings: fixed at tracing, not part of the input.
+    against them (structure, non-tensor values, shapes the trace depends on, sizes it fixed).
+    Keyword arguments without tensors (``use_cache=False``, ``return_loss=True``) are settings:
+    fixed at tracing; a dict input may carry them with the traced values, or leave them out. Trace
+    on an example shaped as what the first layer will get, one micro-batch, where the model's code
+    uses a size as a number (CLIP's loss: ``arange(len(logits))``).
     The last layer returns what the module returns (a tensor, a tuple, a ``ModelOutput``).
 
     ``split_points``: qualified names of the modules where layers start, instead of the repeated
@@ -114,18 +125,23 @@ def to_sequential(
     device = _device_of(module, packed)
     if device.type == "meta":  # a model built on the meta device traces on meta inputs
         args, kwargs, packed = pytree.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs, packed))
-    ep = _export(module, args, kwargs, blocks + norms)
+    with _Recorder(module, blocks + norms) as recorder:  # (what the modules inside them return)
+        ep = _export(module, args, kwargs, blocks + norms)
     drawing = _drawing_outside(ep, set(blocks + norms))
     if drawing:  # modules drawing random numbers in the glue (stochastic depth) run as themselves
         norms = norms + drawing
-        ep = _export(module, args, kwargs, blocks + norms)
-    coarse = _Coarse(module, ep, blocks, norms, device)
+        with _Recorder(module, blocks + norms) as recorder:
+            ep = _export(module, args, kwargs, blocks + norms)
+    coarse = _Coarse(module, ep, blocks, norms, device, recorder)
     return _cut(module, ep, coarse, args, kwargs, packed, tail=split_points is None)
 
 
-def as_layers(module: Any, sample: Any) -> Any:
+def as_layers(module: Any, sample: Any, microbatches: int = 1) -> Any:
     """What a front end makes of the model it is given: an ``nn.Sequential`` (or a list of layer
-    factories) as it is, any other module traced into layers on ``sample``."""
+    factories) as it is, any other module traced into layers on ``sample``'s first micro-batch of
+    ``microbatches``: the first layer gets micro-batches, and a size the model's code fixes (CLIP's
+    loss uses ``len(logits)``) is then the micro-batch's. (On the whole sample where a micro-batch
+    would have one sample: export would take a dimension of size 1 for a fixed one.)"""
     if isinstance(module, (list, tuple)) and all(callable(f) for f in module):
         return module  # layer factories
     if not isinstance(module, nn.Module):
@@ -140,5 +156,9 @@ def as_layers(module: Any, sample: Any) -> Any:
             f"{type(module).__name__} is not an nn.Sequential: pass sample=<an input mini-batch> to trace it into "
             "pipeline layers (gpipe.to_sequential), or give an nn.Sequential of layers"
         )
+    sample = as_dicts(sample)
+    parts = scatter(sample, microbatches) if microbatches > 1 and _has_tensor(sample) else []
+    if parts and batch_size(parts[0]) > 1:
+        sample = parts[0].value
     args, kwargs = unpack(module, sample)
     return to_sequential(module, *args, **kwargs)

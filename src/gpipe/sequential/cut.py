@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from gpipe.sequential.export import ToSequentialError, _has_tensor, pack
 from gpipe.sequential.glue import _Coarse, _flat
 from gpipe.sequential.layers import _Inputs, _Outputs, _shape_of, _Shared
+from gpipe.sequential.taps import _call_tapping
 
 __all__ = ["_cut"]
 
@@ -46,7 +47,8 @@ def _segments(coarse: _Coarse, tail: bool) -> dict[fx.Node, int]:
     nodes = [n for n in coarse.graph.nodes if n.op not in ("placeholder", "output")]
     starts = [nodes.index(call) for call in coarse.block_calls]
     last = starts[-1] + 1
-    while last < len(nodes) and nodes[last].target in (_flat, operator.getitem) and nodes[last].op == "call_function":
+    unpacking = (_flat, operator.getitem, _call_tapping)  # (a tapped block's call after its first node)
+    while last < len(nodes) and nodes[last].target in unpacking and nodes[last].op == "call_function":
         last += 1
     bounds = [0, *starts, last] if tail else [0, *starts]
     segment: dict[fx.Node, int] = {}
@@ -105,7 +107,9 @@ def _cut(
     tensor_leaves = [i for i, leaf in enumerate(pytree.tree_leaves(packed)) if isinstance(leaf, Tensor)]
     constants = {i: leaf for i, leaf in enumerate(pytree.tree_leaves(packed)) if not isinstance(leaf, Tensor)}
     shapes = {i: _shape_of(_placeholder_of(ep, coarse, order[i]), ep.range_constraints) for i in tensor_leaves}
-    checker = _Inputs(leaf_spec, constants, shapes)
+    names = [f"input{pytree.keystr(path)}" for path, _ in pytree.tree_flatten_with_path(packed)[0]]
+    carried = {k: v for k, v in kwargs.items() if not _has_tensor(v)} if isinstance(packed, dict) else {}
+    checker = _Inputs(leaf_spec, constants, shapes, names, carried)  # (settings a dict input may carry)
     out_spec = ep.call_spec.out_spec
     assert out_spec is not None
     layers: list[nn.Module] = []

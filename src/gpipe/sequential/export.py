@@ -4,6 +4,7 @@ drawing random numbers outside them, and the packing of a call's arguments into 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -119,12 +120,21 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ke
     except TypeError as e:
         raise ToSequentialError(f"the example does not fit {type(module).__name__}.forward: {e}") from e
     dynamic = {name: dims(value) for name, value in bound.arguments.items()}
+    spread = _spread_var_keyword(module, bound)
+    if spread is not None:
+        dynamic = {name: dims(value) for name, value in spread.arguments.items()}
     modes = {m: m.training for m in module.modules()}
     module.train()
+    handles = [
+        module.get_submodule(path).register_forward_pre_hook(functools.partial(_sizes_fixed, path), with_kwargs=True)
+        for path in kept
+    ]
     try:
         return torch.export.export(
             module, args, kwargs, dynamic_shapes=dynamic, strict=False, preserve_module_call_signature=tuple(kept)
         )
+    except ToSequentialError:
+        raise
     except Exception as e:  # every kind of tracing failure: name the construct, say the way out
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ToSequentialError(
@@ -132,8 +142,68 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ke
             f"{_WAYS_OUT}"
         ) from e
     finally:
+        for handle in handles:
+            handle.remove()
         for m, training in modes.items():
             m.training = training
+        if spread is not None:
+            del module.forward  # the class's own again
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _sizes_fixed(path: str, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """A kept module's arguments, as export may keep them: a size computed from the input
+    (BEiT's ``resolution=pixel_values.shape[2:]``), symbolic while tracing, becomes the number it
+    is in the example (export then fixes the dimensions it comes from, and the first layer checks
+    them); an argument that is neither a tensor nor a number is refused, named."""
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    fixed = []
+    for key, leaf in leaves:
+        if isinstance(leaf, _SYMBOLIC):
+            leaf = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(leaf)](leaf)
+        elif not (leaf is None or isinstance(leaf, (Tensor, str, int, float, bool))):
+            raise ToSequentialError(
+                f"{path} is called with {_argument(key)} = {type(leaf).__name__} {leaf!r:.60}, which torch.export "
+                "cannot keep as an argument of a module it cuts at (tensors, numbers, strings and None only); "
+                "name other cut points with split_points=[...]: modules called with those"
+            )
+        fixed.append(leaf)
+    args, kwargs = pytree.tree_unflatten(fixed, spec)
+    return args, kwargs
+
+
+def _argument(key: tuple[Any, ...]) -> str:
+    """The argument a leaf of ``(args, kwargs)`` is in, by its key path: ``resolution[0]``, ``argument 1``."""
+    head, rest = key[1], pytree.keystr(key[2:])
+    if key[0] == pytree.SequenceKey(0):
+        return f"argument {getattr(head, 'idx', head)}{rest}"
+    return f"{getattr(head, 'key', head)}{rest}"
+
+
+def _spread_var_keyword(module: nn.Module, bound: inspect.BoundArguments) -> inspect.BoundArguments | None:
+    """Where the example passes arguments through the forward's ``**kwargs`` (a Hugging Face
+    model's ``output_hidden_states``), give the module, for the export, a forward whose signature
+    names them: torch.export pairs the dynamic shapes with the arguments wrongly otherwise (it
+    lists them both under ``kwargs`` and by their own names: "Must provide a tree_name when there
+    might be a mismatch"). Returns the example bound to that signature; None where nothing is spread."""
+    signature = bound.signature
+    var = next((p for p in signature.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+    if var is None or not bound.arguments.get(var.name):
+        return None
+    params = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in bound.arguments[var.name]]
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    spread = signature.replace(parameters=params)
+    forward.__signature__ = spread  # type: ignore[attr-defined]
+    module.forward = forward
+    return spread.bind(*bound.args, **bound.kwargs)
 
 
 def _check_split_points(module: nn.Module, names: Iterable[str]) -> list[str]:

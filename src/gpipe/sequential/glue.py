@@ -1,6 +1,7 @@
 """The coarse graph: the exported graph with every kept module's operators replaced by a call of
-the module, and the glue code between them adjusted (dropout following the layer's mode, tensors
-created on the layer's device, device assertions dropped)."""
+the module (which also returns the values the code after it reads from inside it, see
+:mod:`~gpipe.sequential.taps`), and the glue code between them adjusted (dropout following the
+layer's mode, tensors created on the layer's device, device assertions dropped)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
 from gpipe.sequential.export import _WAYS_OUT, ToSequentialError, _call_key, _innermost
+from gpipe.sequential.taps import Tap, _call_tapping, _find_tap, _Recorder
 
 __all__ = ["_Coarse", "_flat"]
 
@@ -97,14 +99,28 @@ def _placed_graph(graph_module: fx.GraphModule, device: torch.device) -> fx.Grap
     return gm
 
 
+def _same_geometry(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, Tensor)
+        and isinstance(b, Tensor)
+        and (a.dtype, a.device, a.shape, a.stride()) == (b.dtype, b.device, b.shape, b.stride())
+    )
+
+
 class _Coarse:
     """The exported graph with every kept module's traced operators replaced by a call of the
     module, every parameter, buffer and constant fetched where it is used, and the glue adjusted."""
 
     def __init__(
-        self, module: nn.Module, ep: ExportedProgram, blocks: Sequence[str], norms: Sequence[str], device: torch.device
+        self,
+        module: nn.Module,
+        ep: ExportedProgram,
+        blocks: Sequence[str],
+        norms: Sequence[str],
+        device: torch.device,
+        recorder: _Recorder,
     ) -> None:
-        self.module, self.ep, self.device = module, ep, device
+        self.module, self.ep, self.device, self.recorder = module, ep, device, recorder
         self.kept_blocks = set(blocks)
         self.graph = fx.Graph()
         self.attrs: dict[str, Any] = {}
@@ -113,10 +129,12 @@ class _Coarse:
         self.env: dict[str, Any] = {}
         self.inputs: list[fx.Node] = []  # the user-input placeholders, in the traced order
         self.input_sources: dict[str, tuple[str, str]] = {}
-        self.block_calls: list[fx.Node] = []
+        self.block_calls: list[fx.Node] = []  # each block call's first node
+        self.taps: dict[str, list[tuple[str, Tap]]] = {}  # per call: the values read after it, and where
         self._dropouts = 0
         self._user: fx.Node | None = None  # the traced node being copied (whose parameters are named after it)
         self._nodes: dict[str, fx.Node] = {n.name: n for n in ep.graph.nodes}
+        self._members: dict[str, tuple[str, str]] = {}  # node -> (kept module, call) that computed it
         self._build()
 
     # -- what a node's argument becomes ---------------------------------------------------------
@@ -124,7 +142,10 @@ class _Coarse:
         source = self.input_sources.get(name)
         if source is None:
             found = self.env.get(name)
-            return found if found is not None or name in self.env else self._size_from_inside(name)
+            if found is not None or name in self.env:
+                return found
+            alias = self._alias_outside(self._nodes[name]) if name in self._nodes else None
+            return self._fetch(alias.name) if alias is not None else self._size_from_inside(name)
         kind, target = source
         if kind in ("param", "buffer") and self._user is not None:
             target = self._own_name(target, self._user)
@@ -147,6 +168,23 @@ class _Coarse:
         new.meta = dict(node.meta)
         self.env[name] = new
         return new
+
+    def _alias_outside(self, node: fx.Node) -> fx.Node | None:
+        """The value outside a kept module's call that ``node``, computed inside it, is: a
+        conversion to the dtype and device the tensor has (an RMS norm's ``x.to(torch.float32)``)
+        returns the tensor itself, and export names the block's input after it (Hugging Face's
+        ``output_hidden_states`` records it so). None where ``node`` is no such conversion."""
+        key = self._members.get(node.name)
+        while key is not None and self._members.get(node.name) == key:
+            source = node.args[0] if node.op == "call_function" and node.args else None
+            if not (
+                getattr(node.target, "overloadpacket", None) is torch.ops.aten.to
+                and isinstance(source, fx.Node)
+                and _same_geometry(node.meta.get("val"), source.meta.get("val"))
+            ):
+                return None
+            node = source
+        return node if key is not None else None
 
     def _own_name(self, target: str, user: fx.Node) -> str:
         """The name a shared parameter has in the module that uses it (export names every shared
@@ -194,12 +232,13 @@ class _Coarse:
             elif spec.kind != InputKind.USER_INPUT:
                 raise ToSequentialError(f"the traced module takes an input of kind {spec.kind.name}, not supported")
         user_inputs = {s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT}
-        members: dict[str, tuple[str, str]] = {}
+        members = self._members
         for node in self.ep.graph.nodes:
             if node.op == "call_function":
                 key = _call_key(node, self.kept)
                 if key is not None:
                     members[node.name] = key
+        self._find_taps()
         emitted: set[str] = set()
         for node in self.ep.graph.nodes:
             if node.op == "placeholder":
@@ -226,6 +265,45 @@ class _Coarse:
         if missing:
             raise ToSequentialError(f"the split points {missing} are never called by the module's forward")
 
+    def _find_taps(self) -> None:
+        """The tensors computed inside a kept module's call that code outside it reads (the glue, the
+        output, another call's arguments) although the call does not return them: the router logits
+        a mixture-of-experts model's hooks collect for its load-balancing loss. Each becomes an
+        extra output of the call, caught where a module inside it returns it."""
+        returns = {
+            e.fqn: {a.name for a in e.signature.outputs if not isinstance(a, ConstantArgument)}
+            for e in self.ep.module_call_graph
+            if e.signature is not None
+        }
+        read: dict[str, fx.Node] = {}
+        for node in self.ep.graph.nodes:
+            if node.name not in self._members:
+                read.update((a.name, a) for a in node.all_input_nodes)
+        for call, signature in self.calls.items():
+            for arg in signature.inputs:
+                name = getattr(arg, "name", "")
+                if name in self._members and self._members[name][1] != call:
+                    read[name] = self._nodes[name]
+        for node in read.values():
+            while (alias := self._alias_outside(node)) is not None:  # (the value itself, where it is made)
+                node = alias
+            key = self._members.get(node.name)
+            value = node.meta.get("val")
+            if key is None or node.name in returns.get(key[1], ()) or not isinstance(value, Tensor):
+                continue  # computed outside, returned by the call, or a size (computed again)
+            path, call = key
+            taps = self.taps.setdefault(call, [])
+            if any(name == node.name for name, _ in taps):
+                continue
+            tap = _find_tap(self.recorder, path, int(call.rpartition("@")[2]) if "@" in call else 0, value)
+            if tap is None:
+                raise ToSequentialError(
+                    f"the code after {path} reads {node.name} (a tensor of shape {tuple(value.shape)}), computed "
+                    f"inside its call, which neither {path} nor any module inside it returns; return it from the "
+                    f"block's forward or from a module inside it. {_WAYS_OUT}"
+                )
+            taps.append((node.name, tap))
+
     def _emit_call(self, path: str, call: str, members: dict[str, tuple[str, str]]) -> None:
         signature = self.calls.get(call)
         if signature is None:
@@ -241,9 +319,20 @@ class _Coarse:
         args, kwargs = pytree.tree_unflatten(leaves, signature.in_spec)
         module = self.module.get_submodule(path)
         self.attrs[path] = module
-        out = self.graph.call_module(path, tuple(args), dict(kwargs))
+        taps = self.taps.get(call)
+        if taps:  # the block's own call, and the values read after it, caught inside it
+            first = self.graph.get_attr(path)
+            both = self.graph.call_function(
+                _call_tapping, (first, tuple(tap for _, tap in taps), tuple(args), dict(kwargs))
+            )
+            out = self.graph.call_function(operator.getitem, (both, 0))
+            extras = self.graph.call_function(operator.getitem, (both, 1))
+            for k, (name, _) in enumerate(taps):
+                self.env[name] = self.graph.call_function(operator.getitem, (extras, k))
+        else:
+            out = first = self.graph.call_module(path, tuple(args), dict(kwargs))
         if path in self.kept_blocks:
-            self.block_calls.append(out)
+            self.block_calls.append(first)
         outputs = [a for a in signature.outputs]
         if signature.out_spec.is_leaf():
             flat = [out]
