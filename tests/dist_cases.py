@@ -450,6 +450,50 @@ def lost_at(rank: int, where: str, how: str, timeout: float, mark: str, dp: int 
         pipe.step(x, y)
 
 
+def named_after_teardown(rank: int, timeout: float) -> dict[str, str]:
+    """Rank ``rank`` is killed between two steps. The survivor catches the PipelineError, and then
+    the process group is torn down (by an application's cleanup, or at exit) while a failure is
+    still being named: first in a collective that fails with the transport's error just after the
+    teardown, then in the report of a transfer thread still running (``ChannelTransport._lost``).
+    Returns what each said; the exit's watch (the store's host lingers) runs after the teardown."""
+    import signal
+
+    from gpipe.distributed import ChannelTransport, PipelineError, collective
+    from gpipe.runtime.context import StepContext
+    from gpipe.runtime.executor import StepRun
+
+    model = mlp()
+    pipe = Pipeline(model, even(len(model), 2), chunks=2, loss_fn=F.mse_loss, timeout=timeout)
+    transport = pipe.engine.executor.transport
+    assert isinstance(transport, ChannelTransport)
+    x, y = data()
+    pipe.step(x, y)
+    if int(os.environ["RANK"]) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        pipe.step(x, y)
+    except PipelineError as e:
+        lost = e
+    else:
+        raise AssertionError(f"rank {rank} was killed, yet the step succeeded")
+    cause = lost.__cause__
+    assert isinstance(cause, RuntimeError), cause  # the transport's error: the lost rank's socket closed
+    said = {"step": str(lost)}
+    try:
+        with collective("broadcast of the step's seed from rank 0"):
+            torch.distributed.destroy_process_group()
+            raise cause
+    except Exception as e:
+        said["collective"] = f"{type(e).__name__}: {e}"
+    run = StepRun(StepContext.capture(num_microbatches=2, checkpoint_stop=0, training=True, seed=0))
+    try:
+        transport._lost(rank, cause, run)
+        said["transfer"] = str(run.mailbox.failed)
+    except Exception as e:
+        said["transfer"] = f"{type(e).__name__}: {e}"
+    return said
+
+
 def train_and_save_at(directory: str, steps: int, step: int) -> dict[str, Any]:
     """Train ``steps`` steps and save them as checkpoint ``step``; return this rank's saved layers."""
     from gpipe.saving import layer_state

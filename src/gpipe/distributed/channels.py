@@ -34,6 +34,7 @@ from gpipe.distributed.failure import (
     _report_failure,
     _silent_ranks,
     _timed_out,
+    _world,
 )
 from gpipe.microbatch import Batch, flat_spec, is_flat_spec
 from gpipe.runtime.executor import Mailbox, StepRun, Transport
@@ -161,8 +162,8 @@ class ChannelTransport(Transport):
             raise ValueError("ChannelTransport moves values between ranks: give it a placement over ranks")
         self.placement = placement
         self.timeout = timeout
-        me = dist.get_rank()
-        self._store = dist.distributed_c10d._get_default_store()
+        self._world = _world()  # the rank and the store its failure reports name, even after a teardown
+        me = self._world.rank
         self._channels: dict[tuple[int, int, str], _Channel] = {}
         comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
         worker_of = placement.worker_of
@@ -244,9 +245,9 @@ class ChannelTransport(Transport):
             for t in threads:
                 t.join(self.timeout)
                 if t.is_alive():
-                    raise PipelineError(f"rank {dist.get_rank()}: a transfer did not finish in {self.timeout:g} s")
+                    raise PipelineError(f"rank {self._world.rank}: a transfer did not finish in {self.timeout:g} s")
         except BaseException as exc:
-            self._report(f"rank {dist.get_rank()} failed: {type(exc).__name__}: {exc}", exc)
+            self._report(f"rank {self._world.rank} failed: {type(exc).__name__}: {exc}", exc)
             run.mailbox.fail(str(exc))
             raise
         failure = self._failure()
@@ -274,16 +275,17 @@ class ChannelTransport(Transport):
 
     def _lost(self, peer: int, exc: Exception, run: StepRun) -> None:
         """A transfer with ``peer`` failed: its socket closed (it is gone), or it timed out (it, or
-        a rank it waits for, is stuck: the heartbeats tell which)."""
+        a rank it waits for, is stuck: the heartbeats tell which). This may run after the step
+        failed, while the process group is torn down: nothing here asks the group."""
         lost = f"rank {peer} is gone"
         if _timed_out(exc):
             silent = None
             with contextlib.suppress(Exception):  # the store is gone: what it holds says so below
                 silent = _silent_ranks(timed_out=True)
             lost = silent[0] if silent and silent[0] else f"rank {peer} is not responding"
-        me = dist.get_rank()
+        me = self._world.rank
         self._report(f"{lost} (rank {me} lost its connection to rank {peer}: {_first_line(exc)})", exc)
-        run.mailbox.fail(_read_failure(self._store, min(self.timeout, 2.0)) or lost)
+        run.mailbox.fail(_read_failure(self._world, min(self.timeout, 2.0)) or lost)
 
     def _report(self, message: str, exc: BaseException | None = None) -> None:
         """Record the first failure of the step in the store, for every rank to read (waiting for
@@ -291,11 +293,11 @@ class ChannelTransport(Transport):
         _failing.set()
         if isinstance(exc, PipelineError):  # someone else's, already recorded
             return
-        _report_failure(self._store, message, min(self.timeout, 2.0))
+        _report_failure(self._world.store, message, min(self.timeout, 2.0))
 
     def _failure(self) -> str | None:
         """The failure another rank recorded, if any (waiting ``timeout`` at most for the store)."""
-        return _read_failure(self._store, self.timeout)
+        return _read_failure(self._world, self.timeout)
 
     @contextmanager
     def _watching(self, run: StepRun) -> Iterator[None]:

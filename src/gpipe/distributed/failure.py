@@ -16,6 +16,12 @@ forever, so every store call of gpipe's is made by a thread of its own and given
 (``timeout`` for the watch of a step, 2 s on the failure paths), the silence naming rank 0. After
 a failure, rank 0 waits at exit (three heartbeat intervals and 2 s at most) until the others have
 left or stopped beating, so that they can still read the store.
+
+What a failure's message needs of the default process group (this rank, the ranks, the store and
+its host) is captured when the watch starts, as a :class:`_World` (by the heartbeat, the transport,
+each :func:`collective` on entry), never asked of the group when the failure is named: a survivor
+may be tearing the group down at that moment (its cleanup after the error, or the exit's) while a
+transfer thread or the exit's watch still reports.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -103,17 +110,37 @@ def _bounded(store: Any, call: Callable[[Any], T], seconds: float) -> T:
     return calls(call, seconds)
 
 
-def _store_host() -> int | None:
-    """The rank whose process hosts the default store: rank 0 under ``env://`` and ``tcp://``
-    (torchrun's agent store lives in the agent instead)."""
+def _store_host(store: Any) -> int | None:
+    """The rank whose process hosts ``store``, the default one: rank 0 under ``env://`` and
+    ``tcp://`` (torchrun's agent store lives in the agent instead)."""
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return None
-    store = dist.distributed_c10d._get_default_store()
     while isinstance(store, PrefixStore):
         store = store.underlying_store
     return 0 if isinstance(store, TCPStore) else None
+
+
+@dataclass(frozen=True)
+class _World:
+    """The default process group as the failure watch captured it: this process's rank, the number
+    of ranks, the store (the reference keeps it usable once the group is destroyed) and its host."""
+
+    rank: int
+    size: int
+    store: Any
+    host: int | None
+
+
+def _world() -> _World:
+    """The default process group's :class:`_World`, captured now (the heartbeat's, when it beats in
+    this group's store). Raises torch's ValueError when there is no group."""
+    store = dist.distributed_c10d._get_default_store()
+    beat = _heartbeat
+    if beat is not None and beat.world.store is store:
+        return beat.world
+    return _World(dist.get_rank(), dist.get_world_size(), store, _store_host(store))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -121,12 +148,12 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).split("\nException raised from")[0].strip().splitlines()[0] if str(exc).strip() else repr(exc)
 
 
-def _store_lost(exc: BaseException) -> str:
-    """What a store error says about the ranks: its host is gone (or stopped)."""
-    host = _store_host()
+def _store_lost(world: _World, exc: BaseException) -> str:
+    """What an error of ``world``'s store says about the ranks: its host is gone (or stopped)."""
+    host = world.host
     silent = isinstance(exc, _StoreSilentError)
     state = _first_line(exc) if silent else f"the process group's store is unreachable ({_first_line(exc)})"
-    if host is None or host == dist.get_rank():
+    if host is None or host == world.rank:
         return state
     return f"rank {host} is {'not responding' if silent else 'gone'} ({state}; rank {host} hosts it)"
 
@@ -138,25 +165,25 @@ def _report_failure(store: Any, message: str, seconds: float = 2.0) -> None:
         _bounded(store, lambda st: st.compare_set(_FAILURE_KEY, "", message), seconds)
 
 
-def _read_failure(store: Any, seconds: float) -> str | None:
-    """The failure recorded in the store, if any, or what the store's silence says (waiting
+def _read_failure(world: _World, seconds: float) -> str | None:
+    """The failure recorded in ``world``'s store, if any, or what the store's silence says (waiting
     ``seconds`` at most for it)."""
 
     def read(st: Any) -> str | None:
         return st.get(_FAILURE_KEY).decode() or None if st.check([_FAILURE_KEY]) else None
 
     try:
-        return _bounded(store, read, seconds)
+        return _bounded(world.store, read, seconds)
     except Exception as exc:
-        return _store_lost(exc)
+        return _store_lost(world, exc)
 
 
 class _Heartbeat:
     """This process's heartbeat: a thread bumps a counter in the store every ``interval`` seconds,
     and writes 'left' there when the process exits (a key that vanished would block a reader)."""
 
-    def __init__(self, store: Any, rank: int, world: int, interval: float) -> None:
-        self.store, self.rank, self.world, self.interval = store, rank, world, interval
+    def __init__(self, world: _World, interval: float) -> None:
+        self.world, self.store, self.rank, self.interval = world, world.store, world.rank, interval
         self.lost: set[int] = set()  # the ranks found silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="gpipe-heartbeat")
@@ -207,7 +234,7 @@ class _Heartbeat:
     def linger(self) -> None:
         """Wait (at most three intervals and 2 s) until every other rank has left or stopped
         beating: the store lives in this process, and they read it to name who failed."""
-        others = [r for r in range(self.world) if r != self.rank and r not in self.lost]
+        others = [r for r in range(self.world.size) if r != self.rank and r not in self.lost]
         if not others:
             return
         last, changed = self.read(others), dict.fromkeys(others, time.monotonic())
@@ -230,24 +257,25 @@ def start_heartbeat(timeout: float) -> None:
     ``timeout`` makes it beat faster: every ``timeout / 20`` s, at most 0.5 s)."""
     global _heartbeat
     interval = min(0.5, max(0.05, timeout / 20))
-    store = dist.distributed_c10d._get_default_store()
-    if _heartbeat is not None and _heartbeat.store is store and _heartbeat._thread.is_alive():
+    world = _world()
+    if _heartbeat is not None and _heartbeat.world is world and _heartbeat._thread.is_alive():
         _heartbeat.interval = min(_heartbeat.interval, interval)
         return
     if _heartbeat is None:
         atexit.register(_stop_heartbeat)
     else:
         _heartbeat.stop()
-    _heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size(), interval)
+    _heartbeat = _Heartbeat(world, interval)
 
 
 def _stop_heartbeat() -> None:
-    """At exit: stop beating; after a failure, the rank hosting the store lets the others read it."""
+    """At exit (the process group may be destroyed already): stop beating; after a failure, the rank
+    hosting the store lets the others read it."""
     beat = _heartbeat
     if beat is None:
         return
     beat.stop()
-    if _failing.is_set() and _store_host() == beat.rank:
+    if _failing.is_set() and beat.world.host == beat.rank:
         with contextlib.suppress(Exception):
             beat.linger()
 
@@ -259,7 +287,7 @@ def _silent_ranks(timed_out: bool) -> tuple[str, str] | None:
     beat = _heartbeat
     if beat is None:
         return None
-    stuck, left = beat.silent([r for r in range(beat.world) if r != beat.rank])
+    stuck, left = beat.silent([r for r in range(beat.world.size) if r != beat.rank])
     ranks, state = (stuck, "not responding" if timed_out else "gone") if stuck else (left, "gone")
     if not ranks:
         return "", ""
@@ -277,7 +305,10 @@ def collective(operation: str, group: Any = None) -> Iterator[None]:
     """Run a collective of ``group`` (default: all ranks): a transport error in it (a peer's socket
     closed, a timeout) becomes a :class:`PipelineError` that names the lost rank when the store or
     the heartbeats tell, else the operation and its peers; the raw error is its ``__cause__`` and
-    its message's tail. Costs nothing unless the collective fails."""
+    its message's tail. The ranks and the store are looked up on entry, so that the message can be
+    built even once the group is being torn down; the rest costs nothing unless the collective fails."""
+    world = _world()
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(world.size))
     try:
         yield
     except PipelineError:
@@ -285,26 +316,25 @@ def collective(operation: str, group: Any = None) -> Iterator[None]:
         raise
     except RuntimeError as exc:  # DistBackendError, DistNetworkError, DistStoreError, gloo's RuntimeError
         _failing.set()
-        raise PipelineError(_lost_in(operation, group, exc)) from exc
+        raise PipelineError(_lost_in(operation, world, ranks, exc)) from exc
 
 
-def _lost_in(operation: str, group: Any, exc: BaseException) -> str:
-    """What to say when ``operation`` failed with ``exc``: the failure the store holds, else who is
-    lost by the heartbeats, read within a bounded time (a stopped rank 0 stops the store it hosts)."""
-    me = dist.get_rank()
-    ranks = sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+def _lost_in(operation: str, world: _World, ranks: list[int], exc: BaseException) -> str:
+    """What to say when ``operation`` over ``ranks`` failed with ``exc``: the failure the store holds,
+    else who is lost by the heartbeats, read within a bounded time (a stopped rank 0 stops the store
+    it hosts)."""
+    me = world.rank
     peers = [r for r in ranks if r != me]
     raw = f"{type(exc).__name__}: {_first_line(exc)}"
     timed_out = _timed_out(exc)
     where = f"the {operation} over ranks {ranks} {'timed out' if timed_out else 'failed'} on rank {me}"
-    store = dist.distributed_c10d._get_default_store()
     try:
-        failure = _read_failure(store, 2.0)
+        failure = _read_failure(world, 2.0)
         if failure is None:
             silent = _silent_ranks(timed_out)
-            failure = _read_failure(store, 2.0)  # another rank may have named it meanwhile
+            failure = _read_failure(world, 2.0)  # another rank may have named it meanwhile
     except Exception as err:
-        return f"{_store_lost(err)}: {where}: {raw}"
+        return f"{_store_lost(world, err)}: {where}: {raw}"
     if failure is not None:
         return f"{failure} ({where}: {raw})"
     if silent is None:
@@ -315,5 +345,5 @@ def _lost_in(operation: str, group: Any, exc: BaseException) -> str:
             f"{where}, and every rank still beats: one of ranks {peers} "
             f"{'did not take part in time' if timed_out else 'closed its connection'}: {raw}"
         )
-    _report_failure(store, f"{lost} (no heartbeat; rank {me} lost it in the {operation})")
+    _report_failure(world.store, f"{lost} (no heartbeat; rank {me} lost it in the {operation})")
     return f"{lost}: {where} (no heartbeat from {who}): {raw}"
