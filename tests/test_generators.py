@@ -202,7 +202,8 @@ def test_v_schedules_refuse_other_virtual_and_too_few_microbatches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "k", "m", "costs"), [("zb-h2", 4, 8, {}), ("zb-v", 2, 4, {}), ("dualpipev", 2, 4, {"B": 2})]
+    ("name", "k", "m", "costs"),
+    [("zb-h2", 4, 8, {}), ("interleaved-1f1b", 2, 4, {}), ("zb-v", 2, 4, {}), ("dualpipev", 2, 4, {"B": 2})],
 )
 def test_docstring_tables_are_the_simulators(name: str, k: int, m: int, costs: dict[str, float]) -> None:
     text = simulate(make_schedule(name, k, m, 1 if name == "zb-h2" else 2), kind_cost(**costs)).text()

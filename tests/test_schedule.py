@@ -36,6 +36,24 @@ def test_text_timeline() -> None:
     assert text.splitlines() == ["worker 0 | F0 F1 .  .  B1 B0", "worker 1 | .  F0 F1 B1 B0 ."]
 
 
+@pytest.mark.parametrize(("name", "k", "v"), [("interleaved-1f1b", 2, 2), ("interleaved-1f1b", 2, 3), ("zb-v", 3, 2)])
+def test_text_timeline_names_the_stage_where_a_worker_holds_several(name: str, k: int, v: int) -> None:
+    """Every cell of a worker's row is one of its actions, told apart from the same micro-batch's on the
+    worker's other stages by a letter; the last line says which stage each letter is."""
+    sched = make_schedule(name, k, 2 * k, v)
+    *rows, legend = simulate(sched).text().splitlines()
+    assert len(rows) == k and legend.startswith("stage of each letter: ")
+    for w, row in enumerate(rows):
+        assert row.startswith(f"worker {w} | ")
+        letters = dict(item.split("=") for item in legend.split(f"worker {w} ")[1].split(",")[0].split())
+        assert sorted(int(stage) for stage in letters.values()) == sorted(sched.stages_of(w))
+        stage_of = {letter: int(stage) for letter, stage in letters.items()}
+        cells = [cell for cell in row.split(" | ")[1].split() if cell != "."]
+        shown = {(cell[0], int(cell[1:-1]), stage_of[cell[-1]]) for cell in cells}
+        assert len(shown) == len(cells) == len(sched.actions[w])  # unit costs: one cell per action, none alike
+        assert shown == {(a.kind.value, a.microbatch, a.stage) for a in sched.actions[w]}
+
+
 def test_execution_order_respects_dependencies() -> None:
     order = execution_order(fill_drain(3, 4))
     position = {a: i for i, a in enumerate(order)}

@@ -2,7 +2,9 @@
 that return a :class:`~gpipe.schedule.ir.Schedule`.
 
 Legend of the tables below: ``F3`` forward of micro-batch 3, ``B`` full backward, ``I`` input-gradient
-backward, ``W`` weight-gradient backward, ``.`` idle; one column per unit of time (all costs 1).
+backward, ``W`` weight-gradient backward, ``.`` idle; one column per unit of time (all costs 1). Where a
+worker holds several stages, a letter names which (``F3b``: on its second stage; the last line says
+which stage each letter is on each worker).
 
 'gpipe' — fill-drain, the paper's schedule (bubble (K-1)/(M+K-1); every stage holds M micro-batches)::
 
@@ -20,8 +22,9 @@ backward, ``W`` weight-gradient backward, ``.`` idle; one column per unit of tim
 in groups of K; the bubble shrinks by about v (K=2, v=2, M=4; each micro-batch
 appears once per model chunk)::
 
-    worker 0 | F0 F1 F0 F1 F2 B0 F3 B1 F2 B0 F3 B1 .  B2 .  B3 B2 B3
-    worker 1 | .  F0 F1 F0 B0 F1 B1 F2 B0 F3 B1 F2 B2 F3 B3 B2 B3 .
+    worker 0 | F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a .   B2b .   B3b B2a B3a
+    worker 1 | .   F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a .
+    stage of each letter: worker 0 a=0 b=2, worker 1 a=1 b=3
 
 'zb-h1' — zero bubble H1 (Qi et al., 2024): backward split into I and W, the W passes deferred into
 what would be bubbles; 1F1B's peak memory (no stage holds more than K micro-batches, as many as
@@ -53,8 +56,9 @@ its last action. Worker w holds at most min(M+1+w, 2M, 2K) (stage, micro-batch) 
 M >= 2K-1: each stage has half a worker's layers, so K micro-batches' worth, 1F1B's peak (K=2, M=4;
 each micro-batch appears once per stage)::
 
-    worker 0 | F0 F1 F2 F0 I0 W0 F1 I1 W1 F3 I0 W0 F2 I2 W2 I1 W1 F3 I3 W3 I2 W2 I3 W3 .
-    worker 1 | .  F0 F0 F1 F1 I0 W0 F2 I0 W0 F2 I1 W1 F3 I1 W1 F3 I2 W2 I2 I3 I3 W2 W3 W3
+    worker 0 | F0a F1a F2a F0b I0b W0b F1b I1b W1b F3a I0a W0a F2b I2b W2b I1a W1a F3b I3b W3b I2a W2a I3a W3a .
+    worker 1 | .   F0a F0b F1a F1b I0b W0b F2a I0a W0a F2b I1b W1b F3a I1a W1a F3b I2b W2b I2a I3b I3a W2a W3b W3a
+    stage of each letter: worker 0 a=0 b=3, worker 1 a=1 b=2
 
 'dualpipev' — DeepSeek's DualPipeV, DualPipe cut in half (as PyTorch's ``ScheduleDualPipeV``): the
 V of ZB-V, whose steady state pairs a forward of one stage with the full backward of the other, the
@@ -64,8 +68,9 @@ idles w of them before its first action and the other K-1-w inside the step. Eve
 most 2K+1 (stage, micro-batch) pairs, one more than ZB-V, as each pair's forward is taken before its
 backward frees one (K=2, M=4)::
 
-    worker 0 | F0 F1 F2 F0 I0 W0 F1 F3 B1 B1 F2 B0 B0 B2 B2 F3 .  B1 B1 B3 B3 I2 W2 I3 W3
-    worker 1 | .  F0 F0 F1 F1 F2 B0 B0 F2 B0 B0 F3 B1 B1 F3 B1 B1 B2 B2 B2 B2 I3 I3 W3 W3
+    worker 0 | F0a F1a F2a F0b I0b W0b F1b F3a B1b B1b F2b B0a B0a B2b B2b F3b .   B1a B1a B3b B3b I2a W2a I3a W3a
+    worker 1 | .   F0a F0b F1a F1b F2a B0b B0b F2b B0a B0a F3a B1b B1b F3b B1a B1a B2b B2b B2a B2a I3b I3a W3b W3a
+    stage of each letter: worker 0 a=0 b=3, worker 1 a=1 b=2
 """
 
 from __future__ import annotations

@@ -65,18 +65,41 @@ class Simulation:
 
     def text(self) -> str:
         """The timeline as a small table: one row per worker, one column per unit of time (for
-        schedules simulated with integer costs)."""
+        schedules simulated with integer costs). A cell is an action and its micro-batch (``F3``);
+        where a worker holds several stages, also the stage's letter on that worker (``F3b``: its
+        second stage), and a last line says which stages the letters are."""
         origin = min(start for start, _ in self.spans.values())
-        width = max(len(a.label) for a in self.spans) + 1
+        sched = self.schedule
+        held = [sched.stages_of(w) for w in range(sched.num_workers)]
+        several = any(len(stages) > 1 for stages in held)
+        labels = {
+            a: a.label + (_letter(held[w].index(a.stage)) if several else "")
+            for w, acts in enumerate(sched.actions)
+            for a in acts
+        }
+        width = max(map(len, labels.values())) + 1
         rows = []
-        for w, acts in enumerate(self.schedule.actions):
+        for w, acts in enumerate(sched.actions):
             cells = [".".ljust(width)] * round(self.makespan)
             for a in acts:
                 start, end = self.spans[a]
                 for t in range(round(start - origin), round(end - origin)):
-                    cells[t] = a.label.ljust(width)
+                    cells[t] = labels[a].ljust(width)
             rows.append(f"worker {w} | " + "".join(cells).rstrip())
+        if several:
+            named = (" ".join(f"{_letter(i)}={s}" for i, s in enumerate(stages)) for stages in held)
+            rows.append("stage of each letter: " + ", ".join(f"worker {w} {n}" for w, n in enumerate(named)))
         return "\n".join(rows)
+
+
+def _letter(i: int) -> str:
+    """The name of a worker's ``i``-th stage in a text timeline: a, b, ..., z, aa, ab, ..."""
+    name = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        name = chr(ord("a") + r) + name
+    return name
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from gpipe.schedule.auto.costs import StageCosts
+from gpipe.schedule.auto.greedy import _EPS
 from gpipe.schedule.ir import Action, ActionKind, Schedule, timeline
 from gpipe.schedule.simulate import Simulation
 
@@ -58,22 +59,31 @@ class Plan:
         return self.simulation.bubble
 
     def table(self) -> str:
-        """The candidates as a text table, fastest first (the chosen one marked ``*``)."""
+        """The candidates as a text table, fastest first (the chosen one marked ``*``), with each one's
+        peak memory per worker and, for one that does not fit the cap, the workers over their cap."""
         rows = sorted(self.candidates, key=_rank)
         width = max(len("candidate"), *(len(c.name) for c in rows))
+        peaks = {c.name: ", ".join(f"{p:.4g}" for p in c.peak_memory) for c in rows}
+        peak_width = max(len("peak memory per worker"), *map(len, peaks.values()))
         jitter = self.costs.jitter > 0
         head = f"  {'candidate':<{width}}  {'makespan':>10}  " + (f"{'expected':>10}  " if jitter else "")
-        lines = [head + f"{'bubble':>7}  {'peak memory':>11}  fits cap"]
+        lines = [head + f"{'bubble':>7}  {'peak memory per worker':<{peak_width}}  fits cap"]
         for c in rows:
             mark = "*" if c.name == self.chosen else " "
             expected = ("" if math.isnan(c.expected) else f"{c.expected:.4g}") if jitter else None
             lines.append(
                 f"{mark} {c.name:<{width}}  {c.makespan:>10.4g}  "
                 + (f"{expected:>10}  " if expected is not None else "")
-                + f"{c.bubble:>7.2%}  {max(c.peak_memory):>11.4g}  "
-                + ("yes" if c.fits else "no")
+                + f"{c.bubble:>7.2%}  {peaks[c.name]:<{peak_width}}  "
+                + ("yes" if c.fits else f"no ({self._over_cap(c)})")
             )
         return "\n".join(lines)
+
+    def _over_cap(self, c: Candidate) -> str:
+        """The workers whose peak memory in ``c`` is over their cap, e.g. ``worker 1: 2 > 1``."""
+        caps = self.memory_cap or ()
+        over = [(w, p, cap) for w, (p, cap) in enumerate(zip(c.peak_memory, caps)) if p > cap + _EPS]
+        return ", ".join(f"worker {w}: {p:.4g} > {cap:.4g}" for w, p, cap in over)
 
     def explain(self) -> str:
         """Several lines: the costs and cap, what was chosen, its step time, bubble and memory, and the
