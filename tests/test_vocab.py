@@ -14,6 +14,8 @@ from gpipe.data.vocab import (
     UNK,
     Pairs,
     Vocab,
+    VocabSizeError,
+    most_pieces,
     pair_probabilities,
     read_pairs,
     sample_text,
@@ -256,6 +258,71 @@ def test_train_vocab_size_errors(corpus: Path, tmp_path: Path) -> None:
         train_vocab(corpus, tmp_path / "big", size=50_000, sample=500)
     with pytest.raises(ValueError, match="size must exceed the 4 special pieces and 3 language tags"):
         train_vocab(corpus, tmp_path / "tiny", size=7, sample=500)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_most_pieces_bounds_what_sentencepiece_makes(tmp_path: Path, model_type: str) -> None:
+    """The bound that refuses a size before training is a true one: SentencePiece, asked for more, makes
+    no more pieces than it. Text with what NFKC rewrites (ligatures, full-width letters, a zero-width
+    space that joins words, "½"), other scripts and digits."""
+    rng = random.Random(0)
+    words = ["\ufb01ne", "\uff57\uff4f\uff52\uff44", "a\u200bb", "x\x0by", "\u00bd", "日本語の文", "Straße", "e\u0301"]
+    words += ["\u0661\u0662\u0663", "x\u2581y", "wa", "4x5"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    text = "".join(f"{a}\t{b}\n" for a, b in zip(lines[::2], lines[1::2]))
+    (tmp_path / "en-de.tsv").write_text(text, encoding="utf-8")
+    for data, draws in ((tmp_path, 1000), (write_corpus(tmp_path / "syllables", {"en-de": 300, "en-sw": 40}), 2000)):
+        pairs = read_pairs(data)
+        reserved = 4 + len({p.tgt for p in pairs.values()})
+        most = reserved + most_pieces(sample_text(pairs, sentences=draws))
+        model = train_vocab(pairs, tmp_path / "v", size=most + 100, exact=False, sample=draws, model_type=model_type)
+        assert Vocab(model).size <= most
+    assert most_pieces(["ab ab", "ab"]) == len({"▁", "▁a", "▁ab", "a", "ab", "b"})
+    assert most_pieces(["abcdef ghijkl"] * 3, stop=4) > 4  # (stops counting early)
+
+
+def test_a_size_no_text_can_hold_is_refused_before_training(corpus: Path, tmp_path: Path) -> None:
+    pairs = read_pairs(corpus)
+    most = 7 + most_pieces(sample_text(pairs, sentences=500))
+    with pytest.raises(VocabSizeError) as caught:
+        train_vocab(pairs, tmp_path / "v", size=most + 1, sample=500)
+    assert (caught.value.most, caught.value.exact) == (most, False)  # (the bound's, found before SentencePiece ran)
+    assert f"vocabulary size {most + 1} is too large for the sampled text: its words make at most {most} pieces" in str(
+        caught.value
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_size_too_large_names_the_largest_that_works(corpus: Path, tmp_path: Path) -> None:
+    """``exact=False`` makes as many pieces as the text supports; one more, asked for exactly, is refused
+    naming that many, and that many is made."""
+    pairs = read_pairs(corpus)
+    most = 7 + most_pieces(sample_text(pairs, sentences=500))
+    made = Vocab(train_vocab(pairs, tmp_path / "all", size=most, exact=False, sample=500)).size
+    assert made < most  # (so that the size below passes the bound and SentencePiece itself finds it too large)
+    with pytest.raises(VocabSizeError) as caught:
+        train_vocab(pairs, tmp_path / "v", size=made + 1, sample=500)
+    assert (caught.value.most, caught.value.exact) == (made, True)
+    assert f"at most {made} pieces of it; lower the size to {made} or less" in str(caught.value)
+    assert not list(tmp_path.glob("v*"))
+    assert Vocab(train_vocab(pairs, tmp_path / "v", size=made, sample=500)).size == made
+
+
+def test_train_vocab_writes_whole_or_not_at_all(corpus: Path, tmp_path: Path) -> None:
+    """A write that fails (here: PREFIX.vocab is a folder) leaves PREFIX.model as it was — the model is
+    renamed into place last — and no temporary file behind; a new vocabulary replaces both files."""
+    (tmp_path / "v.model").write_bytes(b"the earlier model")
+    (tmp_path / "v.vocab").mkdir()
+    with pytest.raises(OSError, match=r"v\.vocab"):
+        train_vocab(corpus, tmp_path / "v", size=100, sample=500)
+    assert (tmp_path / "v.model").read_bytes() == b"the earlier model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.model", "v.vocab"]
+    (tmp_path / "v.vocab").rmdir()
+    (tmp_path / "v.vocab").write_text("the earlier pieces")
+    model = train_vocab(corpus, tmp_path / "v", size=100, sample=500, keep_text=True)
+    assert Vocab(model).size == 100 and len((tmp_path / "v.vocab").read_text().splitlines()) == 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.model", "v.sample.txt", "v.vocab"]
 
 
 def test_vocab_missing_model(tmp_path: Path) -> None:

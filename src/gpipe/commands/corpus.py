@@ -41,10 +41,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpipe.data import SyntheticTranslation
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return refuse(f"--out {args.out!r} is a file; name a folder")
+    try:
+        above = next((p for p in (out, *out.parents) if p.exists()), None)
+    except OSError as exc:
+        return refuse(f"--out {args.out!r} cannot be reached: {exc.strerror or exc}")
+    if above == out and not out.is_dir():
+        return refuse(f"--out {args.out!r} is a file; name a folder (it is created if missing)")
+    if above is not None and not above.is_dir():
+        return refuse(f"--out {args.out!r} is inside {str(above)!r}, which is a file; name a folder")
     data = SyntheticTranslation(sizes=args.sizes, held_out=args.held_out, seed=args.seed)
-    files = data.write(out)
+    try:
+        files = data.write(out)
+    except OSError as exc:  # no permission, a full disk
+        return refuse(f"cannot write --out {args.out!r}: {exc.strerror or exc}")
     for name, size in data.pair_sizes.items():
         print(f"  {name}: {size} sentence pairs, {args.held_out} held out")
     print(f"wrote {len(files)} files to {out}; next: gpipe train --data {out}")

@@ -1,9 +1,10 @@
-"""``gpipe vocab --data DIR --size N``: one SentencePiece vocabulary for every language pair in DIR,
-trained on text sampled with temperature T=5 (see :mod:`gpipe.data.vocab`), and each pair's share of
-the data and of the sample."""
+"""``gpipe vocab --data DIR``: one SentencePiece vocabulary for every language pair in DIR, trained on
+text sampled with temperature T=5 (see :mod:`gpipe.data.vocab`), and each pair's share of the data and
+of the sample. Without ``--size``, as many pieces as the text supports, up to 32000."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,38 +12,75 @@ from gpipe.commands.args import ArgumentParser, positive, refuse
 
 __all__ = ["main"]
 
+_SIZE = 32000  # the most pieces when --size is left out
+_SAMPLE = 1_000_000  # the most sentence pairs drawn when --sample is left out (as gpipe train)
+
 
 def _parser() -> ArgumentParser:
     v = ArgumentParser(prog="gpipe vocab")
     v.add_argument("--data", required=True, help="a directory of pair files: xx-yy.tsv, or xx-yy.xx + xx-yy.yy")
-    v.add_argument("--size", type=int, default=32000, help="pieces in the vocabulary (default: 32000)")
+    v.add_argument(
+        "--size",
+        type=int,
+        help=f"pieces in the vocabulary, refused if the text cannot make as many (default: as many as it supports, "
+        f"up to {_SIZE})",
+    )
     v.add_argument("--out", help="model prefix: writes PREFIX.model and PREFIX.vocab (default: DATA/vocab)")
     v.add_argument(
         "--temperature", type=float, default=5.0, help="sample pairs with p ∝ (D/ΣD)^(1/T) (default: 5, the paper's)"
     )
-    v.add_argument("--sample", type=int, default=1_000_000, help="sentence pairs drawn to train on (default: 1e6)")
+    v.add_argument(
+        "--sample",
+        type=int,
+        help="sentence pairs drawn to train on (default: as many as the data holds, up to 1e6, as gpipe train draws)",
+    )
     v.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     return v
+
+
+def _unwritable(prefix: str) -> str | None:
+    """Why the files of model prefix ``prefix`` cannot be written, found before any work (None: they can)."""
+    try:
+        above = next((p for p in Path(prefix).parents if p.exists()), None)
+    except OSError as exc:
+        return f"--out {prefix!r} cannot be reached: {exc.strerror or exc}"
+    if above is not None and not above.is_dir():
+        return f"--out {prefix!r} is inside {str(above)!r}, which is a file; name a prefix in a folder"
+    folder = next((f"{prefix}{end}" for end in (".model", ".vocab") if Path(f"{prefix}{end}").is_dir()), None)
+    if folder is not None:
+        return f"--out {prefix!r} would write the file {folder!r}, which is a folder; name another prefix"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe vocab``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
     args = _parser().parse_args(argv)
-    positive(args, "size", "sample", "temperature")
+    positive(args, *(name for name in ("size", "sample", "temperature") if getattr(args, name) is not None))
+    out = args.out or str(Path(args.data) / "vocab")
+    if (why := _unwritable(out)) is not None:
+        return refuse(why)
     from gpipe.data import vocab as vocabulary
 
+    size = args.size or _SIZE
     try:
         pairs = vocabulary.read_pairs(args.data)
         shares = vocabulary.pair_probabilities(pairs, args.temperature)
-        out = args.out or str(Path(args.data) / "vocab")
-        model = vocabulary.train_vocab(
-            pairs, out, size=args.size, temperature=args.temperature, sample=args.sample, seed=args.seed
-        )
+        total = sum(len(p) for p in pairs.values())
+        sample = args.sample or min(_SAMPLE, total)
+        model = vocabulary.train_vocab(pairs, out, size=size, exact=args.size is not None,
+                                       temperature=args.temperature, sample=sample, seed=args.seed)  # fmt: skip
+    except vocabulary.VocabSizeError as exc:
+        return refuse(f"{exc}; or leave --size out for as many as the text supports")
     except (ValueError, ImportError) as exc:
         return refuse(exc)
-    total = sum(len(p) for p in pairs.values())
-    print(f"{len(pairs)} language pairs, {total} sentence pairs; sampled with temperature {args.temperature:g}:")
+    except OSError as exc:  # a folder that cannot be made, no permission, a full disk
+        return refuse(f"cannot write --out {out!r}: {exc.strerror or exc}")
+    print(f"{len(pairs)} language pairs, {total} sentence pairs; {sample} drawn with temperature {args.temperature:g}:")
     for name, p in pairs.items():
         print(f"  {name:<12} {len(p):>9} pairs  {len(p) / total:7.2%} of the data  {shares[name]:7.2%} of the sample")
-    print(f"wrote {model} ({vocabulary.Vocab(model).size} pieces)")
+    pieces = vocabulary.Vocab(model).size
+    if pieces < size:
+        print(f"note: the sampled text supports only {pieces} pieces (--size left out: up to {size}); the "
+              f"vocabulary has {pieces}", file=sys.stderr)  # fmt: skip
+    print(f"wrote {model} ({pieces} pieces)")
     return 0

@@ -19,9 +19,10 @@ Fixed ids (as :mod:`gpipe.data`): pad 0 (``<pad>``), bos 1 (``<s>``), eos 2 (``<
 (``<unk>``), then the ``<2xx>`` tags in sorted order from 4, then the learnt pieces.
 
 :func:`train_vocab` is a pure function of (data, size, temperature, sample, seed, threads): it seeds
-SentencePiece's generator and gives it the sampled text in a fixed order. Pair files are read whole
-into memory (sample very large corpora down first). It needs the
-``sentencepiece`` package (in the ``dev`` extra), imported only here.
+SentencePiece's generator and gives it the sampled text in a fixed order. It writes its files whole or
+not at all, and refuses at once a size the text cannot hold (:func:`most_pieces`). Pair files are read
+whole into memory (sample very large corpora down first). It needs the ``sentencepiece`` package (in
+the ``dev`` extra), imported only here.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe.recipe import temperature_sampling
+from gpipe.saving import write_atomically
 
 if TYPE_CHECKING:
     import sentencepiece
@@ -47,10 +50,13 @@ __all__ = [
     "UNK",
     "Pairs",
     "Vocab",
+    "VocabSizeError",
+    "most_pieces",
     "pair_probabilities",
     "read_pairs",
     "sample_text",
     "tag_piece",
+    "train_text_vocab",
     "train_vocab",
 ]
 
@@ -58,7 +64,8 @@ PAD, BOS, EOS, UNK = 0, 1, 2, 3
 _RESERVED = 4  # pad, bos, eos, unk
 _PAIR_FILE = re.compile(r"^(?P<src>[A-Za-z0-9_]+)-(?P<tgt>[A-Za-z0-9_]+)\.(?P<ext>[A-Za-z0-9_]+)$")
 _NAMING = "<src>-<tgt>.tsv, or <src>-<tgt>.<src> + <src>-<tgt>.<tgt> (such as en-de.en + en-de.de)"
-_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_LONGEST_PIECE = 16  # SentencePiece's max_sentencepiece_length, which train_vocab leaves at its default
+_WORD = "\u2581"  # "▁", SentencePiece's mark of a word's start (it replaces whitespace)
 
 
 def tag_piece(lang: str) -> str:
@@ -204,11 +211,47 @@ def _sentencepiece() -> Any:
     return sentencepiece
 
 
+class VocabSizeError(ValueError):
+    """A vocabulary size the sampled text cannot fill. ``most``: the most pieces it can make, special
+    pieces and tags included — SentencePiece's count when ``exact``, else an upper bound (:func:`most_pieces`)
+    found before training."""
+
+    def __init__(self, message: str, *, size: int, most: int, exact: bool) -> None:
+        super().__init__(message)
+        self.size, self.most, self.exact = size, most, exact
+
+
+def most_pieces(text: Iterable[str], stop: int | None = None) -> int:
+    """An upper bound, found in a moment, on the pieces SentencePiece's unigram, bpe and char models can
+    learn from ``text`` (special pieces and tags not counted): it normalizes each line (NFKC, whitespace
+    to "▁", a "▁" first) and learns only pieces of at most 16 characters that hold "▁" at most first, so
+    each is a substring of one word with its "▁" and there are no more pieces than such distinct
+    substrings (training keeps far fewer). Not for the word model, whose pieces are whole words of any
+    length. Counting stops once past ``stop``: the result then only says it exceeds ``stop``."""
+    normalize = _sentencepiece().SentencePieceNormalizer(rule_name="nmt_nfkc").normalize
+    lines = list(dict.fromkeys(text))  # (distinct, in a fixed order)
+    words: set[str] = set()
+    pieces: set[str] = set()
+    for start in range(0, len(lines), 4096):
+        for line in normalize(lines[start : start + 4096]):
+            for word in line.split(_WORD):
+                if word in words:
+                    continue
+                words.add(word)
+                marked = _WORD + word
+                for i in range(len(marked)):
+                    pieces.update(marked[i:j] for j in range(i + 1, min(len(marked), i + _LONGEST_PIECE) + 1))
+            if stop is not None and len(pieces) > stop:
+                return len(pieces)
+    return len(pieces)
+
+
 def train_vocab(
     data: str | os.PathLike[str] | Mapping[str, Pairs],
     out_prefix: str | os.PathLike[str],
     *,
     size: int,
+    exact: bool = True,
     temperature: float = 5.0,
     sample: int = 1_000_000,
     character_coverage: float = 0.999995,
@@ -219,39 +262,100 @@ def train_vocab(
     quiet: bool = True,
 ) -> Path:
     """Train a shared SentencePiece vocabulary of ``size`` pieces; returns ``<out_prefix>.model``
-    (``<out_prefix>.vocab`` lists the pieces).
+    (``<out_prefix>.vocab`` lists the pieces). Each file is written aside and renamed into place, the
+    model last: a failure or a kill leaves the files as they were, and no temporary file beside them.
 
     ``data``: a data directory (:func:`read_pairs`) or its pairs. The training text is
     :func:`sample_text` (``sample`` draws, both sides, at ``temperature``); SentencePiece uses all of
     it (input_sentence_size = its line count, no shuffling of its own). ``keep_text`` keeps it as
     ``<out_prefix>.sample.txt``. Every target language ``xx`` gets the piece ``<2xx>``; ids are those
     of the module's docstring. ``threads`` changes the result: keep it fixed for reproducible ids.
-    Raises ``ValueError`` (one line, with a hint) when ``size`` is too large for the text."""
-    spm = _sentencepiece()
+
+    ``exact``: a ``size`` too large for the text raises :class:`VocabSizeError` (one line, with a hint),
+    before training where :func:`most_pieces` shows it, else after; ``exact=False`` makes as many pieces
+    as the text supports, up to ``size`` (``Vocab(path).size`` says how many)."""
     pairs = data if isinstance(data, Mapping) else read_pairs(data)
     tags = sorted({tag_piece(p.tgt) for p in pairs.values()})
-    if size <= _RESERVED + len(tags):
+    return _train(lambda: sample_text(pairs, temperature, sample, seed), out_prefix, size=size, tags=tags,
+                  exact=exact, character_coverage=character_coverage, seed=seed, model_type=model_type,
+                  threads=threads, keep_text=keep_text, quiet=quiet)  # fmt: skip
+
+
+def train_text_vocab(
+    lines: Sequence[str],
+    out_prefix: str | os.PathLike[str],
+    *,
+    size: int,
+    exact: bool = True,
+    sample: int = 1_000_000,
+    character_coverage: float = 0.999995,
+    seed: int = 0,
+    model_type: str = "unigram",
+    threads: int = 16,
+    keep_text: bool = False,
+    quiet: bool = True,
+) -> Path:
+    """A SentencePiece vocabulary of plain text (``gpipe train --model hf`` on a text file), trained
+    as :func:`train_vocab` trains one but on ``lines`` themselves (a seeded ``sample`` of them where
+    there are more), without language tags; the same ids (pad 0, bos 1, eos 2, unk 3) and errors."""
+
+    def text() -> list[str]:
+        return list(lines) if len(lines) <= sample else random.Random(seed).sample(list(lines), sample)
+
+    return _train(text, out_prefix, size=size, tags=[], exact=exact, character_coverage=character_coverage,
+                  seed=seed, model_type=model_type, threads=threads, keep_text=keep_text, quiet=quiet)  # fmt: skip
+
+
+def _train(
+    sampled: Callable[[], list[str]],
+    out_prefix: str | os.PathLike[str],
+    *,
+    size: int,
+    tags: list[str],
+    exact: bool,
+    character_coverage: float,
+    seed: int,
+    model_type: str,
+    threads: int,
+    keep_text: bool,
+    quiet: bool,
+) -> Path:
+    """SentencePiece trained on the text ``sampled()`` returns, once the settings are checked and the
+    folder made (see :func:`train_vocab`)."""
+    spm = _sentencepiece()
+    reserved = _RESERVED + len(tags)
+    if size <= reserved:
         raise ValueError(
             f"size must exceed the {_RESERVED} special pieces and {len(tags)} language tags (size: {size})"
         )
     if not 0 < character_coverage <= 1:
         raise ValueError(f"character_coverage must be in (0, 1] (character_coverage: {character_coverage})")
-    text = sample_text(pairs, temperature, sample, seed)
     prefix = Path(out_prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.parent.mkdir(parents=True, exist_ok=True)  # (before the work: an unwritable place fails at once)
+    text = sampled()
+    if exact and model_type != "word" and (most := reserved + most_pieces(text, stop=size - reserved)) < size:
+        raise VocabSizeError(
+            f"vocabulary size {size} is too large for the sampled text: its words make at most {most} pieces "
+            f"(the {reserved} special pieces and language tags included; training usually keeps far fewer); lower "
+            "the size, or give more text (a larger sample or more data)",
+            size=size,
+            most=most,
+            exact=False,
+        )
     with tempfile.TemporaryDirectory(prefix="gpipe-vocab-") as scratch:
-        text_path = Path(f"{prefix}.sample.txt") if keep_text else Path(scratch) / "sample.txt"
+        text_path, made = Path(scratch) / "sample.txt", Path(scratch) / "vocab"
         with open(text_path, "w", encoding="utf-8", newline="\n") as f:
             f.writelines(line + "\n" for line in text)
         spm.set_random_generator_seed(seed % 0xFFFFFFFF)  # 0xFFFFFFFF would mean "a random seed"
         try:
             spm.SentencePieceTrainer.train(
                 input=str(text_path),
-                model_prefix=str(prefix),
+                model_prefix=str(made),
                 vocab_size=size,
+                hard_vocab_limit=False,  # (up to size: exact is checked below)
                 model_type=model_type,
                 character_coverage=character_coverage,
-                input_sentence_size=len(text),
+                input_sentence_size=len(text) if len(text) > 100 else 0,  # (1 to 100 is refused; 0: all, too)
                 shuffle_input_sentence=False,
                 pad_id=PAD,
                 bos_id=BOS,
@@ -267,14 +371,27 @@ def train_vocab(
             )
         except RuntimeError as exc:
             message = " ".join(str(exc).split())
-            too_high = _TOO_HIGH.search(message)
-            if too_high:
-                raise ValueError(
-                    f"vocabulary size {size} is too large for the sampled text: SentencePiece can make at most "
-                    f"{too_high[2]} pieces of it; lower the size, or give more text (a larger sample or more data)"
-                ) from None
             raise ValueError(f"SentencePiece could not train on {len(text)} sampled lines: {message}") from None
+        pieces = spm.SentencePieceProcessor(model_file=f"{made}.model").get_piece_size()
+        if exact and pieces < size:
+            raise VocabSizeError(
+                f"vocabulary size {size} is too large for the sampled text: SentencePiece can make at most "
+                f"{pieces} pieces of it; lower the size to {pieces} or less, or give more text (a larger sample or "
+                "more data)",
+                size=size,
+                most=pieces,
+                exact=True,
+            )
+        if keep_text:
+            _copy(text_path, Path(f"{prefix}.sample.txt"))
+        _copy(Path(f"{made}.vocab"), Path(f"{prefix}.vocab"))
+        _copy(Path(f"{made}.model"), Path(f"{prefix}.model"))  # last: a complete vocabulary appears at once
     return Path(f"{prefix}.model")
+
+
+def _copy(source: Path, target: Path) -> None:
+    """``source`` to ``target``, whole or not at all."""
+    write_atomically(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
 class Vocab:
