@@ -9,7 +9,8 @@ small built-in GPT-2 (:func:`default_config`), and the model is built from it wi
 A causal LM reads one sequence where the built-in data sets hold pairs: :class:`CausalPairs` puts a
 pair's source before its target, ``source + target_in``, and counts the loss on the target tokens
 only (the source is a prompt: it is random, nothing could predict it). :class:`TextLines` is a plain
-text file, one document a line.
+text file, one document a line, read with a real tokenizer (a :class:`Tokenizer`: the SentencePiece
+vocabulary a run trains on it, or a local ``tokenizer.json``, see :mod:`gpipe.models.tokenizer`).
 
 transformers is imported only when these functions run: ``gpipe`` itself does not need it.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,18 +32,24 @@ from gpipe.data import BOS, EOS, PAD, TextPairs, TranslationBatch, entropy
 from gpipe.rng import derive_seed
 
 __all__ = [
+    "CONFIG",
     "DEFAULT",
     "CausalBatch",
     "CausalPairs",
     "TextLines",
+    "Tokenizer",
     "build",
     "check_config",
+    "config_json",
     "default_config",
     "layer_count",
     "load_config",
     "logits_loss",
+    "read_lines",
     "text_data",
 ]
+
+CONFIG = "config.json"  # in every checkpoint of a run: the model's config (:func:`config_json`)
 
 DEFAULT = {"n_layer": 4, "n_embd": 128, "n_head": 4}
 """The built-in GPT-2's size; its vocabulary and positions are the data's."""
@@ -55,7 +63,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ValueError(
-            "--model hf needs transformers: pip install transformers==5.23.0 (it is in gpipe's dev extra)"
+            "--model hf needs transformers: install gpipe's hf extra (pip install -c constraints.txt '.[hf]' in "
+            "gpipe's folder), or pip install transformers==5.23.0"
         ) from None
     return transformers
 
@@ -86,8 +95,9 @@ def load_config(path: str) -> Any:
     return config
 
 
-def default_config(vocab: int, positions: int, dropout: float) -> Any:
-    """The built-in GPT-2: :data:`DEFAULT`'s size, the data's vocabulary and sequence length."""
+def default_config(vocab: int, positions: int, dropout: float, *, bos: int | None = BOS, eos: int | None = EOS) -> Any:
+    """The built-in GPT-2: :data:`DEFAULT`'s size, the data's vocabulary and sequence length, and
+    the ids of its tokens that start and end a document (``generate`` stops at ``eos``)."""
     transformers = _transformers()
     return transformers.GPT2Config(
         vocab_size=vocab,
@@ -96,8 +106,8 @@ def default_config(vocab: int, positions: int, dropout: float) -> Any:
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )  # (no pad_token_id: padding comes after a sequence's last token, and a causal LM never sees it)
 
 
@@ -107,9 +117,10 @@ def layer_count(config: Any) -> int:
     return int(config.num_hidden_layers) + 2
 
 
-def check_config(config: Any, where: str, vocab: int, positions: int) -> None:
+def check_config(config: Any, where: str, vocab: int, positions: int, *, eos: int | None = None) -> None:
     """A :class:`ValueError` unless the config's vocabulary covers the data's token ids and its
-    positions the data's sequence length (an embedding lookup out of range would fail mid-step)."""
+    positions the data's sequence length (an embedding lookup out of range would fail mid-step), and
+    its ``eos_token_id``, if it has one, is the data's ``eos`` (the token ``generate`` stops at)."""
     if config.vocab_size < vocab:
         raise ValueError(
             f"{where}: vocab_size {config.vocab_size} is smaller than the data's vocabulary of {vocab} tokens; "
@@ -121,6 +132,20 @@ def check_config(config: Any, where: str, vocab: int, positions: int) -> None:
             f"{where}: {most} positions (max_position_embeddings) are fewer than the data's sequence length "
             f"of {positions} tokens; set them to {positions} or more"
         )
+    ends = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    if eos is not None and config.eos_token_id is not None and eos not in ends:
+        raise ValueError(
+            f"{where}: eos_token_id {config.eos_token_id} is not the tokenizer's end of a document, id {eos}; set "
+            f"eos_token_id to {eos} (generate stops at it)"
+        )
+
+
+def config_json(config: Any) -> str:
+    """``config`` as the ``config.json`` a checkpoint keeps: what ``save_pretrained`` writes, its
+    ``dtype`` float32, the dtype the weights are trained and saved in whatever the config says."""
+    written = copy.deepcopy(config)
+    written.dtype = torch.float32
+    return str(written.to_json_string())
 
 
 def build(config: Any) -> nn.Module:
@@ -223,27 +248,61 @@ class CausalPairs:
         )
 
 
+def read_lines(path: str | os.PathLike[str]) -> list[str]:
+    """The non-blank lines of the text file ``path``: its documents."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the data file {str(path)!r}: {exc}") from None
+
+
+class Tokenizer(Protocol):
+    """What :class:`TextLines` reads a text with: a SentencePiece :class:`~gpipe.data.vocab.Vocab`, or a
+    :class:`~gpipe.models.tokenizer.HFTokenizer`."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def bos(self) -> int | None: ...
+
+    @property
+    def eos(self) -> int | None: ...
+
+    def encode_lines(self, texts: list[str]) -> list[list[int]]: ...
+
+
 class TextLines:
-    """A text file, one document a line, tokenized on white space: ``BOS words EOS``, cut at
-    ``length`` + 1 tokens (or the longest line's, if shorter) and padded. A seeded tenth of the
-    lines (at least one) is held out for the ``eval`` split."""
+    """A text file, one document a line, read with ``tokenizer``: ``BOS pieces EOS`` (the tokenizer's
+    own; a tokenizer.json's may have no BOS), cut at ``length`` + 1 tokens (or the longest line's, if
+    shorter) and padded with id 0, which the loss leaves out: a tokenizer that gives id 0 to a token
+    of the text is refused. A seeded tenth of the lines (at least one) is held out for the ``eval``
+    split."""
 
     unit = "tokens"
     baseline_name = "unigram entropy"
 
-    def __init__(self, path: str | os.PathLike[str], *, length: int = 64, seed: int = 0) -> None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = [line.split() for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read the data file {str(path)!r}: {exc}") from None
+    def __init__(self, path: str | os.PathLike[str], tokenizer: Tokenizer, *, length: int = 64, seed: int = 0) -> None:
+        lines = read_lines(path)
         if len(lines) < 2:
             raise ValueError(
                 f"{str(path)!r} holds {len(lines)} non-empty line(s); at least 2 are needed (train and eval)"
             )
-        self.index = {w: i + 3 for i, w in enumerate(sorted({w for words in lines for w in words}))}
-        self.length = min(length, max(len(words) for words in lines) + 1)
-        rows = torch.tensor([self._encode(words) for words in lines])
+        self.tokenizer = tokenizer
+        first = [] if tokenizer.bos is None else [tokenizer.bos]
+        last = [] if tokenizer.eos is None else [tokenizer.eos]
+        documents = [[*first, *ids, *last] for ids in tokenizer.encode_lines(lines)]
+        padding = [i for i, ids in enumerate(documents) if PAD in ids]
+        if padding:
+            raise ValueError(
+                f"the tokenizer reads {len(padding)} line(s) of {str(path)!r} with id {PAD} (the first: "
+                f"{lines[padding[0]][:60]!r}), which is gpipe's padding, left out of the loss; give a tokenizer whose "
+                f"id {PAD} is a special token the text does not produce, such as a pad token"
+            )
+        self.bos, self.eos = tokenizer.bos, tokenizer.eos
+        self.length = min(length, max(len(ids) for ids in documents) - 1)
+        rows = torch.tensor([self._pad(ids) for ids in documents])
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(derive_seed(seed, 8, 0)))
         held = max(len(rows) // 10, 1)
         self.splits = {"eval": rows[order[:held]], "train": rows[order[held:]]}
@@ -251,10 +310,10 @@ class TextLines:
 
     @property
     def vocab(self) -> int:
-        return len(self.index) + 3
+        return self.tokenizer.size
 
-    def _encode(self, words: list[str]) -> list[int]:
-        ids = [BOS, *(self.index[w] for w in words), EOS][: self.length + 1]
+    def _pad(self, ids: list[int]) -> list[int]:
+        ids = ids[: self.length + 1]
         return ids + [PAD] * (self.length + 1 - len(ids))
 
     def baseline(self) -> float:
@@ -271,9 +330,10 @@ class TextLines:
         return CausalBatch(picked[:, :-1], picked[:, 1:])
 
 
-def text_data(path: str, seed: int) -> CausalPairs | TextLines:
+def text_data(path: str, seed: int, tokenizer: Callable[[], Tokenizer]) -> CausalPairs | TextLines:
     """``--data`` for a causal LM: a file of source<TAB>target lines (every line has one tab) as
-    :class:`CausalPairs`, any other text file as :class:`TextLines`."""
+    :class:`CausalPairs` (a whitespace vocabulary, :class:`~gpipe.data.TextPairs`), any other text
+    file as :class:`TextLines` read with ``tokenizer()`` (called for text only: it may train one)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f if line.strip()]
@@ -281,4 +341,4 @@ def text_data(path: str, seed: int) -> CausalPairs | TextLines:
         raise ValueError(f"cannot read the data file {path!r}: {exc}") from None
     if lines and all(line.count("\t") == 1 for line in lines):
         return CausalPairs(TextPairs(path, seed=seed))
-    return TextLines(path, seed=seed)
+    return TextLines(path, tokenizer(), seed=seed)

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset
+from gpipe.models import hf, tokenizer
 from gpipe.pipeline import Pipeline
 from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.setup import process_rank
+from gpipe.train.setup import hf_config, process_rank
 
 __all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
 
@@ -30,8 +31,9 @@ class Checkpoints:
     """``OUT/checkpoints`` of a run: the layers and the optimizer's state through
     :func:`gpipe.saving.save` (torch.distributed.checkpoint, keyed by global layer index, so that
     ``--resume`` may change ``--partitions``), beside them the learning-rate schedule's state,
-    ``run.json`` and the vocabulary. With ``--async-checkpoint`` a save returns once the state is
-    copied and writes in the background; the next save, and :meth:`finish`, wait for it."""
+    ``run.json`` and the vocabulary; for ``--model hf`` the model's ``config.json`` and the text's
+    tokenizer too, all ``gpipe export`` needs. With ``--async-checkpoint`` a save returns once the
+    state is copied and writes in the background; the next save, and :meth:`finish`, wait for it."""
 
     def __init__(
         self, cfg: TrainConfig, pipe: Pipeline, optimizer: Any, scheduler: Any, out: Path, data: Dataset
@@ -40,6 +42,9 @@ class Checkpoints:
         self.root = out / "checkpoints"
         self.pending: AsyncSave | None = None
         self.saved = 0  # the step of the newest save started
+        self.config: str | None = None  # --model hf: the config the model was built from
+        if cfg.model == "hf" and isinstance(data, TokenDataset):
+            self.config = hf.config_json(hf_config(cfg, data))
 
     def _extra(self) -> dict[str, Any]:
         if process_rank() != 0:
@@ -55,6 +60,11 @@ class Checkpoints:
         extra[RUN] = lambda p: p.write_text(json.dumps(run, indent=1) + "\n")
         if isinstance(data, ParallelCorpus):
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
+        if self.config is not None:
+            extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
+        if isinstance(data, hf.TextLines):
+            for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
+                extra[name] = lambda p, source=source: shutil.copyfile(source, p)
         return extra
 
     def save(self, step: int, *, background: bool = False) -> None:

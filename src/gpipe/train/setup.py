@@ -4,11 +4,11 @@ and the optimizer."""
 
 from __future__ import annotations
 
-import contextlib
-import os
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,15 @@ from gpipe.data import (
     TextPairs,
     TokenDataset,
 )
-from gpipe.data.vocab import Vocab, read_pairs, train_vocab
-from gpipe.models import amoebanet, amoebanet_d, hf, transformer
+from gpipe.data.vocab import Vocab, VocabSizeError, read_pairs, train_text_vocab, train_vocab
+from gpipe.models import amoebanet, amoebanet_d, hf, tokenizer, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.sequential import to_sequential
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
+__all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
+
+_VOCAB_SIZE = 8000  # the most pieces of --data FOLDER's vocabulary with --vocab-size 0 (its default)
 
 
 def process_rank() -> int:
@@ -47,7 +49,13 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
 def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
         if cfg.data:
-            return hf.text_data(cfg.data, seed=cfg.seed)
+            data = hf.text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
+            if cfg.tokenizer and not isinstance(data, hf.TextLines):
+                raise ConfigError(
+                    f"--tokenizer is for text, a document a line; --data {cfg.data!r} holds source<TAB>target lines, "
+                    "read with a vocabulary of their words: leave --tokenizer out"
+                )
+            return data
         return hf.CausalPairs(SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed))
     if cfg.model == "amoebanet":
         if cfg.data:
@@ -100,8 +108,8 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
 
 def _vocab(cfg: TrainConfig) -> Vocab:
     """``--data FOLDER``'s shared vocabulary: ``--vocab``, or ``OUT/vocab.model``, trained by rank 0
-    on the first run (from ``min(10^6, sentence pairs)`` draws at ``--temperature``) and written
-    whole or not at all."""
+    on the first run (from ``min(10^6, sentence pairs)`` draws at ``--temperature``; ``--model hf``:
+    from a text file's lines) and written whole or not at all."""
     path = cfg.vocab_path()
     if not path.exists():
         if cfg.resume:
@@ -127,21 +135,30 @@ def _vocab(cfg: TrainConfig) -> Vocab:
 
 
 def _train_vocab(cfg: TrainConfig, path: Path) -> None:
-    pairs = read_pairs(cfg.data)
-    draws = min(1_000_000, sum(len(p) for p in pairs.values()))
-    print(f"training a vocabulary of {cfg.vocab_size} pieces on {draws} sentence pairs of {cfg.data} "
-          f"(T={cfg.temperature:g}) into {path}", file=sys.stderr)  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.stem}.tmp-{os.getpid()}"
+    """Train ``path`` (and its ``.vocab``): ``--vocab-size`` pieces, or with 0 as many as the text supports up
+    to 8000 (said in one line when fewer). :func:`train_vocab` writes both files whole or not at all."""
+    train: Callable[..., Path]
+    if cfg.model == "hf":  # --data TEXT: on its lines
+        lines = hf.read_lines(cfg.data)
+        draws = min(1_000_000, len(lines))
+        what = f"{draws} lines of {cfg.data}"
+        train = functools.partial(train_text_vocab, lines, sample=draws)
+    else:
+        pairs = read_pairs(cfg.data)
+        draws = min(1_000_000, sum(len(p) for p in pairs.values()))
+        what = f"{draws} sentence pairs of {cfg.data} (T={cfg.temperature:g})"
+        train = functools.partial(train_vocab, pairs, temperature=cfg.temperature, sample=draws)
+    size = cfg.vocab_size or _VOCAB_SIZE
+    pieces = f"{size}" if cfg.vocab_size else f"up to {size}"
+    print(f"training a vocabulary of {pieces} pieces on {what} into {path}", file=sys.stderr)
     try:
-        model = train_vocab(pairs, staging, size=cfg.vocab_size, temperature=cfg.temperature, sample=draws,
-                            seed=cfg.seed)  # fmt: skip
-        os.replace(f"{staging}.vocab", path.with_suffix(".vocab"))
-        os.replace(model, path)  # last: a complete vocabulary appears at once
-    finally:
-        for leftover in (f"{staging}.vocab", f"{staging}.model"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(leftover)
+        model = train(path.with_suffix(""), size=size, exact=bool(cfg.vocab_size), seed=cfg.seed)
+    except VocabSizeError as exc:
+        raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
+    made = Vocab(model).size
+    if made < size:
+        print(f"note: the text supports only {made} pieces (--vocab-size left out: up to {size}); the vocabulary "
+              f"has {made}", file=sys.stderr)  # fmt: skip
 
 
 def _tokens(data: Dataset) -> TokenDataset:
@@ -156,19 +173,40 @@ def _images(data: Dataset) -> ImageDataset:
     return data
 
 
+def _hf_tokenizer(cfg: TrainConfig) -> hf.Tokenizer:
+    """What ``--model hf`` reads a text file with: ``--tokenizer``, else the SentencePiece vocabulary
+    ``OUT/vocab.model``, trained on the file's lines on the first run as ``--data FOLDER``'s is."""
+    if not cfg.tokenizer:
+        return _vocab(cfg)
+    try:
+        return tokenizer.load(cfg.tokenizer)
+    except ValueError as exc:  # (its messages name the file)
+        raise ConfigError(str(exc)) from exc
+
+
+def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
+    """The transformers config of a ``--model hf`` run: ``--hf-config``'s, checked against the data,
+    or the built-in GPT-2 sized to it (a text's tokenizer's BOS and EOS its own). What the model is
+    built from, and what every checkpoint keeps as ``config.json``."""
+    config = cfg.hf_model_config()
+    where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
+    text = data if isinstance(data, hf.TextLines) else None
+    try:
+        if config is None:
+            ends = {"bos": text.bos, "eos": text.eos} if text is not None else {}
+            return hf.default_config(data.vocab, data.length, cfg.dropout, **ends)
+        hf.check_config(config, where, data.vocab, data.length, eos=text.eos if text is not None else None)
+    except ValueError as exc:  # (its messages name the config)
+        raise ConfigError(str(exc)) from exc
+    return config
+
+
 def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     """The Hugging Face model as pipeline layers, on the meta device like the built-in models: each
     process materializes its own stages' layers, initialized by the model's ``_init_weights``
     seeded per layer from ``--seed``, alike in every process and for every partition count."""
-    config = cfg.hf_model_config()
-    where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
-    try:
-        if config is None:
-            config = hf.default_config(data.vocab, data.length, cfg.dropout)
-        else:
-            hf.check_config(config, where, data.vocab, data.length)
-    except ValueError as exc:  # (its messages name the config)
-        raise ConfigError(str(exc)) from exc
+    config = hf_config(cfg, data)
+    where = f"--hf-config {cfg.hf_config!r}" if cfg.hf_config else "the built-in GPT-2"
     try:
         model = hf.build(config)
     except ValueError as exc:  # a setting from_config refuses, or a model that is not causal
