@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck pytest bench clean
 
-# torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages.
+# torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages. The
+# dev extra is the hf and tensorboard extras and the tools (README: installing with pip alone).
 # torchvision goes apart, into $(VENV)/vision, never site-packages: transformers imports it when
 # present, and PyPI's (CUDA) wheels fail to import beside the CPU torch; tests that need it add
 # $(VENV)/vision to the path. (--upgrade: a re-run replaces it.)
@@ -19,10 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The translation workflow on the built-in synthetic language pairs, written as text files: a shared
-# SentencePiece vocabulary, temperature sampling, BLEU per pair at the end.
+# SentencePiece vocabulary, temperature sampling, BLEU per pair at the end (gpipe demo -h: gpipe corpus
+# into runs/demo-corpus, then gpipe train on it into runs/demo).
 demo: $(STAMP)
-	$(BIN)/gpipe corpus --out runs/demo-corpus
-	$(BIN)/gpipe train --data runs/demo-corpus --vocab-size 256 --out runs/demo
+	$(BIN)/gpipe demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -89,11 +89,12 @@ OTHERS = [
     (["schedule", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["schedule", "--costs", "F=nan"], "cost of F must be positive and finite (got nan)"),
     (["schedule", "--costs", "X=1"], "(got 'X=1')"),
-    (["demo", "--lr", "0"], "--lr must be a positive finite number (got 0.0)"),
-    (["demo", "--lr", "nan"], "(got nan)"),
-    (["demo", "--depth", "1"], "--depth must be at least 2"),
-    (["demo", "--classes", "1"], "--classes must be at least 2 (got 1)"),
-    (["demo", "--steps", "zero"], "invalid int value: 'zero'"),
+    (["demo", "--corpus", "{tmp}/c", "--out", "{tmp}/run", "--lr", "0"], "--lr must be a positive finite number"),
+    (["demo", "--corpus", "{tmp}/c", "--out", "{tmp}/run", "--lr", "nan"], "(got nan)"),
+    (["demo", "--corpus", "{tmp}/afile", "--out", "{tmp}/run"], "--corpus '{tmp}/afile' is a file; name a folder"),
+    (["demo", "--corpus", "{tmp}/c", "--out", "{tmp}/afile"], "--out '{tmp}/afile' is a file"),
+    (["demo", "--corpus", "{tmp}/c", "--vocab", "{tmp}/afile"], "trains on its own corpus (--corpus) and vocabulary"),
+    (["demo", "--corpus", "{tmp}/c", "--out", "{tmp}/run", "--steps", "zero"], "invalid int value: 'zero'"),
     (["bench", "--repeats", "0"], "repeats must be positive (repeats: 0)"),
     (["bench", "--only", "speed"], "unknown section(s) speed"),
     (["bench", "--only", ","], "no section to run"),
@@ -114,7 +115,7 @@ def tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     monkeypatch.setattr(train_loop, "_train", no_work)
     monkeypatch.setattr("gpipe.bench.run", no_work)
-    monkeypatch.setattr("gpipe.commands.demo.demo", no_work)
+    monkeypatch.setattr("gpipe.demo.demo", no_work)
     return tmp_path
 
 

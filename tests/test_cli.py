@@ -1,28 +1,52 @@
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
 from gpipe.cli import main
+from gpipe.data import SyntheticTranslation
+from gpipe.data.vocab import Vocab, read_pairs
+from gpipe.demo import VOCAB_SIZE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_prints_bubble_and_falling_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "25", "--batch", "64"]) == 0
-    out = capsys.readouterr().out
-    assert "bubble 0.111" in out
-    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
-    assert len(losses) == 25
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+def test_demo_is_make_demo_the_translation_workflow(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gpipe demo`` writes the built-in corpus and trains on it with the demo's vocabulary, replacing an
+    earlier run; ``make demo`` runs it; a flag it does not know goes to gpipe train."""
+    demo_target = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert demo_target is not None and demo_target[1].split() == ["$(BIN)/gpipe", "demo"]
+    corpus, out = tmp_path / "corpus", tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')  # an earlier run's
+    flags = ["--steps", "2", "--dim", "32", "--heads", "2", "--hidden", "64", "--no-progress"]
+    assert main(["demo", "--corpus", str(corpus), "--out", str(out), *flags]) == 0
+    text = capsys.readouterr().out
+    sizes = SyntheticTranslation().pair_sizes
+    assert {name: len(pairs.sources) for name, pairs in read_pairs(corpus).items()} == sizes  # gpipe corpus's
+    assert f"wrote {2 * len(sizes)} files to {corpus}" in text
+    assert Vocab(out / "vocab.model").size == VOCAB_SIZE
+    for name, size in sizes.items():  # the BLEU table, a row per pair
+        assert re.search(rf"^{name} +{size} ", text, re.M), text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "bleu" in rows[-1]
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [(["demo", "--partitions", "50"], "exceeds the model's"), (["demo", "--chunks", "0"], "--chunks must be positive")],
-)
-def test_demo_rejects_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+def test_demo_refuses_bad_flags_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = tmp_path / "new" / "corpus"
+    for argv, message in [
+        (["--steps", "0"], "--steps must be positive (got 0)"),
+        (["--data", "x.tsv"], "gpipe demo trains on its own corpus (--corpus) and vocabulary (--data given)"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ]:
+        assert main(["demo", "--corpus", str(corpus), "--out", str(tmp_path / "run"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "new").exists()  # the folders made to check the flags are gone again
+    assert not (tmp_path / "run").exists()
 
 
 def test_schedule_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

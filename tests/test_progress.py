@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -75,9 +76,23 @@ def test_tqdm_on_a_terminal_lines_elsewhere() -> None:
 
 
 def test_gpipe_train_writes_lines_to_a_redirected_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    train(TrainConfig(out=str(tmp_path), steps=3, eval_every=3, progress=True))
+    result = train(TrainConfig(out=str(tmp_path), steps=3, eval_every=3, progress=True))
     err = capsys.readouterr().err  # captured: not a terminal
     assert "\r" not in err
     lines = [line for line in err.splitlines() if line.startswith("gpipe train: ")]
     assert 1 <= len(lines) <= 3, err  # after the first step, on close, and at most one between
     assert lines[-1].startswith("gpipe train: 3/3 steps (100%); ") and "loss=" in lines[-1]
+    # the rate by its unit's name; the latest evaluation: its loss and, for translation, the mean BLEU
+    assert re.search(r"; loss=[0-9.]+, tokens/s=[0-9]+, bubble=", lines[-1]), lines[-1]
+    assert lines[-1].endswith(f", eval_loss={result['eval_loss']:.3f}, bleu={result['bleu']:.1f}"), lines[-1]
+
+
+def test_the_bar_of_amoebanet_shows_images_per_second_and_the_accuracy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = dict(layers=1, filters=4, image_size=8, batch=16, steps=2, eval_every=2, eval_batches=1)
+    result = train(TrainConfig(out=str(tmp_path), model="amoebanet", progress=True, **settings))  # type: ignore[arg-type]
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("gpipe train: 2/2 steps (100%); "), line
+    assert re.search(r"; loss=[0-9.]+, images/s=[0-9]+, bubble=", line), line
+    assert line.endswith(f", eval_loss={result['eval_loss']:.3f}, accuracy={result['eval_accuracy']:.3f}"), line

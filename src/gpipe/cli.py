@@ -3,8 +3,10 @@ its parser (``gpipe COMMAND -h`` lists them).
 
 - ``gpipe train``: the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM (:mod:`gpipe.train`).
 - ``gpipe translate``: sentences through a checkpoint of ``gpipe train --data DIR`` (:mod:`gpipe.translate`).
+- ``gpipe export``: a checkpoint of ``gpipe train --model hf`` as a transformers model folder (:mod:`gpipe.export`).
 - ``gpipe bench``: the paper's tables on this machine, beside peers (:mod:`gpipe.bench`).
-- ``gpipe schedule``, ``demo``, ``corpus``, ``vocab``: the small commands (:mod:`gpipe.commands`).
+- ``gpipe demo``: ``gpipe corpus`` then ``gpipe train`` on it, what ``make demo`` runs (:mod:`gpipe.demo`).
+- ``gpipe schedule``, ``corpus``, ``vocab``: the small commands (:mod:`gpipe.commands`).
 
 The top of the applications: it imports the commands, and nothing imports it. A command is imported
 only when it runs, so ``gpipe schedule`` loads neither SentencePiece nor sacrebleu nor transformers.
@@ -22,9 +24,10 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
     "translate": "translate sentences with a checkpoint of gpipe train --data DIR (see -h)",
+    "export": "write a checkpoint of gpipe train --model hf as a transformers model folder (see -h)",
     "bench": "reproduce the paper's tables here, beside peers; a markdown report (see -h)",
     "schedule": "generate, validate and simulate a schedule; draw its timeline",
-    "demo": "train a small model with the pipeline on synthetic data",
+    "demo": "the translation workflow on the built-in synthetic corpus: gpipe corpus, then gpipe train (see -h)",
     "corpus": "write the built-in synthetic multilingual corpus as parallel text files",
     "vocab": "train one SentencePiece vocabulary for every language pair of a data directory",
 }
@@ -44,12 +47,14 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
         from gpipe.train import main
     elif name == "translate":
         from gpipe.translate import main
+    elif name == "export":
+        from gpipe.export import main
     elif name == "bench":
         from gpipe.bench import main
     elif name == "schedule":
         from gpipe.commands.schedule import main
     elif name == "demo":
-        from gpipe.commands.demo import main
+        from gpipe.demo import main
     elif name == "corpus":
         from gpipe.commands.corpus import main
     else:

@@ -1,4 +1,4 @@
-"""The small commands of ``gpipe`` (``schedule``, ``demo``, ``corpus``, ``vocab``), and what every
+"""The small commands of ``gpipe`` (``schedule``, ``corpus``, ``vocab``), and what every
 command shares (:mod:`gpipe.commands.args`: the one-line usage error and its parser).
 
 An application: imports the library and the other applications' modules (``gpipe.data``, ...), never

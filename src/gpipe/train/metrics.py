@@ -11,7 +11,7 @@ from gpipe.evaluation import resource_groups
 from gpipe.train.config import TrainConfig, has_tensorboard
 from gpipe.train.setup import process_rank
 
-__all__ = ["bleu_table", "plot_curves", "progress_bar", "tensorboard_writer"]
+__all__ = ["bleu_table", "curves_figure", "eval_postfix", "plot_curves", "progress_bar", "tensorboard_writer"]
 
 
 def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
@@ -33,17 +33,45 @@ def progress_bar(cfg: TrainConfig, start: int) -> Any:
     return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 
 
+def eval_postfix(metrics: dict[str, Any]) -> dict[str, str]:
+    """An evaluation's metrics as the progress bar shows them until the next: the eval loss, and the
+    accuracy (images) or the mean BLEU (translation)."""
+    shown = {"eval_loss": f"{metrics['eval_loss']:.3f}"}
+    if "eval_accuracy" in metrics:
+        shown["accuracy"] = f"{metrics['eval_accuracy']:.3f}"
+    if "bleu" in metrics:
+        shown["bleu"] = f"{metrics['bleu']:.1f}"
+    return shown
+
+
+# Each language pair's BLEU line its own marker and dash pattern (with the colour, distinct for up to 40
+# pairs): equal scores, such as 100 for several pairs, stay visible as lines drawn over one another.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", "-.", ":")
+
+
 def plot_curves(metrics: Path, path: Path, baseline: float, baseline_name: str) -> None:
-    """The loss curves, and BLEU per language pair beside them when there is any."""
+    """The loss curves, and BLEU per language pair beside them when there is any (:func:`curves_figure`)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    fig = curves_figure(rows, baseline, baseline_name)
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def curves_figure(rows: list[dict[str, Any]], baseline: float, baseline_name: str) -> Any:
+    """The figure of ``rows`` (metrics.jsonl's): the training and eval losses; beside them, on the same
+    steps, BLEU per language pair (hollow markers, a marker and dash pattern each) and the high- and
+    low-resource means (thin, under the pairs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     evals = [r for r in rows if "eval_loss" in r]
     pairs = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("bleu/")} - {"high", "low"})
-    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4), squeeze=False, sharex=True)
     ax = axes[0][0]
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
@@ -53,19 +81,20 @@ def plot_curves(metrics: Path, path: Path, baseline: float, baseline_name: str) 
     ax.legend()
     if pairs:
         ax = axes[0][1]
-        for name in pairs:
+        for i, name in enumerate(pairs):
             points = [(r["step"], r[f"bleu/{name}"]) for r in evals if f"bleu/{name}" in r]
-            ax.plot(*zip(*points), "o-", label=name, lw=1, ms=3)
-        for group, style in (("high", "--"), ("low", ":")):
+            ax.plot(*zip(*points), marker=_MARKERS[i % len(_MARKERS)], ls=_DASHES[i % len(_DASHES)],
+                    mfc="none", ms=5, lw=1.2, label=name, zorder=3)  # fmt: skip
+        for group, style in (("high", (0, (6, 3))), ("low", (0, (1, 2)))):
             points = [(r["step"], r[f"bleu/{group}"]) for r in evals if f"bleu/{group}" in r]
             if points:
-                ax.plot(*zip(*points), style, color="black", label=f"{group}-resource mean")
+                ax.plot(*zip(*points), ls=style, color="black", lw=0.7, alpha=0.6, zorder=2,
+                        label=f"{group}-resource mean")  # fmt: skip
         ax.set_xlabel("step")
         ax.set_ylabel("BLEU")
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def bleu_table(metrics: dict[str, Any], sizes: dict[str, int]) -> str:
