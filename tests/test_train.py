@@ -212,3 +212,17 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_earlier_checkpoint_resu
     monkeypatch.setattr(torch, "save", real_save)
     assert main([*argv, "--resume"]) == 0
     assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_help_is_plain_text_with_every_setting_in_a_group(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields
+
+    with pytest.raises(SystemExit):
+        parse(["-h"])
+    text = capsys.readouterr().out
+    assert not any(markup in text for markup in (":mod:", ":class:", ":func:", "``")), text
+    sections = text.split("\n\n")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert sum(f"\n  {flag} " in f"\n{s}" or f"\n  {flag}," in f"\n{s}" for s in sections) == 1, flag
+    assert "\nmodel:\n" in text and "\npipeline:\n" in text and "\noutput:\n" in text

@@ -8,15 +8,16 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
     gpipe train --model hf --hf-config llama/config.json --data text.txt
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
-    gpipe train --config run.toml --resume        # continue exactly where the last checkpoint left off
+    gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
 
-Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair, see
-:mod:`gpipe.evaluation`); metrics go to ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and
-the curves to ``OUT/loss.png``; a checkpoint (torch.distributed.checkpoint: layers and optimizer
-state keyed by global layer index, see :class:`Checkpoints`) is written every ``--checkpoint-every``
-steps, at the end, and on Ctrl-C. Batches and dropout are a pure function of (seed, step), so
-``--resume`` reproduces the uninterrupted run's losses exactly, with another ``--partitions`` too.
+Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair); metrics go to
+``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the curves to ``OUT/loss.png``; a checkpoint
+(layers and optimizer state keyed by global layer index) is written every ``--checkpoint-every`` steps, at
+the end, and on Ctrl-C. Batches and dropout are a pure function of (seed, step), so ``--resume``
+reproduces the uninterrupted run's losses exactly, with another ``--partitions`` too. A resumed run keeps
+the settings it was started with; a flag given with ``--resume`` overrides one, and is named. An ``OUT``
+that holds an earlier run is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
 """
 
 # An application: imports the library, gpipe.data, gpipe.models and its own modules (config, setup,
@@ -34,9 +35,24 @@ from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, read_config_file
 from gpipe.train.loop import one_run, train
+from gpipe.train.resume import resumed_settings
 from gpipe.train.setup import translation_model
 
 __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "parse", "train", "translation_model"]
+
+
+# The flags of -h in groups (every TrainConfig field in one; tests/test_train.py holds it).
+_GROUPS = {
+    "model": ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
+              "dropout", "logit_clip"),
+    "pipeline": ("partitions", "chunks", "schedule", "checkpoint", "threads"),
+    "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "seed"),
+    "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length"),
+    "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
+    "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
+}  # fmt: skip
+_METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "data": "PATH", "vocab": "PATH",
+             "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:
@@ -48,21 +64,28 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
     """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags;
     checked (:meth:`TrainConfig.check`): a bad flag or setting raises :class:`ConfigError`."""
     parser = ArgumentParser(
-        prog="gpipe train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="gpipe train",
+        usage="%(prog)s [--config FILE] [--SETTING VALUE ...]",
+        description=__doc__.replace("``", "") if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="a TOML or JSON file of settings; flags override it")
+    parser.add_argument("--config", metavar="FILE", help="a TOML or JSON file of settings; flags override it")
+    groups = {title: parser.add_argument_group(title) for title in _GROUPS}
     for f in fields(TrainConfig):
+        group = groups[next(title for title, names in _GROUPS.items() if f.name in names)]
         flag = "--" + f.name.replace("_", "-")
+        default = f"{f.default!r}" if f.default == "" else f"{f.default}"
         if f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f"{f.metadata['help']} (default: {f.default})")  # fmt: skip
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=f"{f.metadata['help']} (default: {default})")  # fmt: skip
         else:
-            parser.add_argument(flag, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS,
-                                help=f"{f.metadata['help']} (default: {f.default!r})")  # fmt: skip
+            metavar = _METAVARS.get(f.name) or _METAVARS[str(f.type)]
+            group.add_argument(flag, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS, metavar=metavar,
+                               help=f"{f.metadata['help']} (default: {default})")  # fmt: skip
     args = vars(parser.parse_args(argv))
     path = args.pop("config", None)
     settings = read_config_file(path) if path else {}
-    cfg = TrainConfig(**{**settings, **args})
+    cfg = TrainConfig(**resumed_settings({**settings, **args}))  # --resume: the run's own settings beneath
     cfg.check()
     return cfg
 

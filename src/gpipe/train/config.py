@@ -131,6 +131,14 @@ class TrainConfig:
             f"{hf.DEFAULT['n_head']} heads, the data's vocabulary and length"
         },
     )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "hf, --data TEXT: a tokenizer.json (or its folder; a tokenizer_config.json beside it names its "
+            "bos_token and eos_token) or a SentencePiece .model to read the text with ('': OUT/vocab.model, trained "
+            "on the text's lines on the first run, --vocab-size pieces)"
+        },
+    )
     layers: int = field(
         default=0,
         metadata={
@@ -184,7 +192,13 @@ class TrainConfig:
             "from text sampled at --temperature)"
         },
     )
-    vocab_size: int = field(default=8000, metadata={"help": "--data FOLDER: pieces of the vocabulary trained"})
+    vocab_size: int = field(
+        default=0,
+        metadata={
+            "help": "--data FOLDER: pieces of the vocabulary trained, refused if the text cannot make as many (0: as "
+            "many as it supports, up to 8000)"
+        },
+    )
     max_length: int = field(
         default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
     )
@@ -207,7 +221,17 @@ class TrainConfig:
         },
     )
     out: str = field(default="runs/default", metadata={"help": "output directory"})
-    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in OUT"})
+    resume: bool = field(
+        default=False,
+        metadata={"help": "continue from the newest checkpoint in OUT, with the run's settings unless flags override"},
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "start afresh in an OUT that holds an earlier run, deleting its checkpoints, metrics and "
+            "TensorBoard files first (without it such an OUT is refused)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "random seed"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     tensorboard: str = field(
@@ -248,7 +272,7 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "chunks", "batch", "steps",
-                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every", "vocab_size",
+                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every",
                     "eval_sentences", "beam")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -260,6 +284,10 @@ class TrainConfig:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
+        if self.vocab_size < 0:
+            raise ConfigError(
+                f"--vocab-size must be positive, or 0 for as many as the text supports (got {self.vocab_size})"
+            )
         if self.classes < 2:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
         if self.dim % self.heads:
@@ -286,10 +314,27 @@ class TrainConfig:
 
     def _check_hf(self) -> None:
         """``--hf-config`` only with ``--model hf``; with it, no size flag of the built-in models (they
-        would be silently ignored: the config says the size), nor ``--dropout`` with a config."""
+        would be silently ignored: the config says the size), nor ``--dropout`` with a config.
+        ``--tokenizer`` only with ``--model hf`` on a text file, a file that is there, and not with
+        ``--vocab-size`` (which sizes the vocabulary trained without it)."""
         if self.hf_config and self.model != "hf":
             raise ConfigError(
                 f"--hf-config is for --model hf (model: {self.model!r}); add --model hf or leave --hf-config out"
+            )
+        if self.tokenizer and (self.model != "hf" or not self.data):
+            raise ConfigError(
+                f"--tokenizer is for --model hf on --data TEXT, a text file (model: {self.model!r}, data: "
+                f"{self.data!r}); give both, or leave --tokenizer out"
+            )
+        if self.tokenizer and not Path(self.tokenizer).exists():
+            raise ConfigError(
+                f"--tokenizer {self.tokenizer!r}: no such file or folder; give a tokenizer.json (or its folder) or a "
+                "SentencePiece .model, or leave --tokenizer out to train a vocabulary on the text"
+            )
+        if self.tokenizer and self.vocab_size:
+            raise ConfigError(
+                f"--vocab-size {self.vocab_size} sizes the vocabulary trained on the text, and --tokenizer "
+                f"{self.tokenizer!r} brings its own; leave one of them out"
             )
         if self.model != "hf":
             return
@@ -352,6 +397,8 @@ class TrainConfig:
         above = next((p for p in out.parents if p.exists()), None)
         if above is not None and not above.is_dir():
             raise ConfigError(f"--out {self.out!r} is inside {str(above)!r}, which is a file; name a directory")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in OUT, --overwrite deletes it: give one of them")
         if self.resume:
             checkpoints = out / "checkpoints"
             try:

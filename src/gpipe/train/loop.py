@@ -27,17 +27,41 @@ from gpipe.rng import derive_seed
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.metrics import bleu_table, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.resume import check_out, delete_results, resume_point
 from gpipe.train.setup import make_data, make_model, make_optimizer, process_rank
 
 __all__ = ["one_run", "train"]
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns the final metrics. One run at a time per ``cfg.out``."""
+    """Train as ``cfg`` says; returns the final metrics. One run at a time per ``cfg.out``.
+
+    ``cfg.resume``: from the newest checkpoint, saying which settings differ from the run's (see
+    :func:`~gpipe.train.resume.resume_point`); a finished run says so and returns its last metrics.
+    ``cfg.overwrite``: an earlier run's results in ``cfg.out`` are deleted first."""
     cfg.check()
+    check_out(cfg)
+    point = resume_point(cfg) if cfg.resume else None
+    if point is not None and process_rank() == 0:
+        print(point.describe(cfg.out), file=sys.stderr)
+    if point is not None and point.finished:
+        return _last_metrics(Path(cfg.out) / "metrics.jsonl")
     with one_run(Path(cfg.out)):
+        if cfg.overwrite and process_rank() == 0 and (gone := delete_results(Path(cfg.out))):
+            print(f"--overwrite: deleted the earlier run in {cfg.out!r} ({', '.join(gone)})", file=sys.stderr)
         return _train(cfg)
+
+
+def _last_metrics(path: Path) -> dict[str, Any]:
+    """The last complete line of a run's ``metrics.jsonl`` ({} if there is none)."""
+    with contextlib.suppress(OSError):
+        for line in reversed(path.read_text().splitlines()):
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    return row
+    return {}
 
 
 @contextlib.contextmanager
@@ -158,9 +182,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                             length_penalty=cfg.length_penalty,
                         )
                     )
-                    shown = {"eval": f"{last['eval_loss']:.3f}"}
-                    if "bleu" in last:
-                        shown["bleu"] = f"{last['bleu']:.1f}"
+                    shown = eval_postfix(last)
                 if process_rank() == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
@@ -169,7 +191,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                         if name != "step":
                             board.add_scalar(name, value, step)
                 if bar is not None:
-                    speed = {f"{data.unit[:3]}_s": f"{last[rate]:.0f}"}
+                    speed = {f"{data.unit}/s": f"{last[rate]:.0f}"}  # tokens/s or images/s
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **shown)
                     bar.update(1)
             if step % cfg.checkpoint_every == 0:

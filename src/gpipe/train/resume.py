@@ -1,0 +1,189 @@
+"""``--resume`` and ``--overwrite``. A new run never writes over an earlier run's results in its
+``--out`` unless ``--overwrite`` says to delete them (:func:`check_out`, :func:`delete_results`). A
+resumed run keeps its own settings: the command line merges what a run saved in its newest checkpoint
+(``run.json``) under the flags given (:func:`resumed_settings`); :func:`resume_point` then names every
+setting that differs from the run's (the flags that overrode it), refuses those that cannot change in the
+middle of a run (the model's size, its data, the optimizer) and a ``--steps`` before the checkpoint, and
+tells a finished run from one with steps left."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from gpipe.saving import CheckpointError, latest
+from gpipe.train.config import ConfigError, TrainConfig, _flag, _typed
+
+__all__ = [
+    "FIXED",
+    "RESULTS",
+    "ResumePoint",
+    "check_out",
+    "delete_results",
+    "earlier_run",
+    "newest_checkpoint",
+    "resume_point",
+    "resumed_settings",
+    "saved_settings",
+]
+
+RUN = "run.json"
+
+# Settings a resumed run cannot change, and what they fix: its checkpoint holds that model (and that
+# optimizer's state), and its steps so far were drawn from that data.
+FIXED = {
+    "model": "the model",
+    "hf_config": "the model",
+    "layers": "the model's size",
+    "hidden": "the model's size",
+    "heads": "the model's size",
+    "dim": "the model's size",
+    "filters": "the model's size",
+    "classes": "the model's size",
+    "image_size": "the model's size",
+    "vocab": "the vocabulary",
+    "vocab_size": "the vocabulary",
+    "tokenizer": "the vocabulary",
+    "data": "the data",
+    "max_length": "the training data (longer pairs are left out)",
+    "eval_sentences": "the training data (the held-out sentences are taken from it)",
+    "optimizer": "the optimizer's saved state",
+}
+# Not settings of the run: how this invocation runs.
+_INVOCATION = ("resume", "overwrite", "out", "progress")
+
+
+# What a run writes into OUT: another run there would write over it (OUT/vocab.model, which
+# `gpipe vocab` may have put there, is an input, not a result).
+RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png")
+
+
+def earlier_run(out: Path) -> list[str]:
+    """The results of an earlier run in ``out``, named (empty: none)."""
+    found = []
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        steps = sorted(int(p.name[5:]) for p in checkpoints.glob("step-*") if p.name[5:].isdigit())
+        found.append(f"checkpoints up to step {steps[-1]}" if steps else "a checkpoints folder")
+    found += [name for name in RESULTS[1:] if (out / name).exists()]
+    return found
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """Refuse an ``--out`` that holds an earlier run, unless ``--resume`` or ``--overwrite``."""
+    earlier = earlier_run(Path(cfg.out))
+    if earlier and not cfg.resume and not cfg.overwrite:
+        raise ConfigError(
+            f"--out {cfg.out!r} holds an earlier run ({', '.join(earlier)}); continue it with --resume, give "
+            "another --out, or add --overwrite to delete it and start afresh"
+        )
+
+
+def delete_results(out: Path) -> list[str]:
+    """Delete what an earlier run wrote into ``out`` (``--overwrite``); returns what it was."""
+    gone = earlier_run(out)
+    for name in RESULTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    return gone
+
+
+def newest_checkpoint(out: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run in ``out`` (a fallback to an older one is said once,
+    when it is loaded, not here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return latest(Path(out) / "checkpoints")
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from exc
+
+
+def saved_settings(checkpoint: Path) -> dict[str, Any]:
+    """The settings the run saved in ``checkpoint``'s ``run.json`` (those this version knows)."""
+    path = checkpoint / RUN
+    try:
+        config = json.loads(path.read_text())["config"]
+        if not isinstance(config, dict):
+            raise ValueError(f"its 'config' is a {type(config).__name__}, not an object of settings")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--resume: cannot read the run's settings from {str(path)!r} ({exc}); restore the file, or start "
+            "afresh with another --out"
+        ) from None
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    return {k: _typed(k, v, kinds[k], where=str(path)) for k, v in config.items() if k in kinds}
+
+
+def resumed_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of ``gpipe train``: ``given`` (flags and the ``--config`` file) over, when it
+    resumes, the settings its run saved — the run's own, not the defaults, for what is not given."""
+    if not given.get("resume"):
+        return given
+    found = newest_checkpoint(given.get("out", TrainConfig.out))
+    if found is None:
+        return given  # TrainConfig.check() refuses, naming the folder
+    saved = {k: v for k, v in saved_settings(found).items() if k not in _INVOCATION}
+    return {**saved, **given}
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run stands: its newest checkpoint, that checkpoint's step, the settings that
+    differ from the run's (``--steps 60 -> 100``) and whether it has steps left."""
+
+    checkpoint: Path
+    step: int
+    changed: tuple[str, ...]
+    finished: bool
+
+    def describe(self, out: str) -> str:
+        if self.finished:
+            return (
+                f"the run in {out!r} is finished: its checkpoint is of step {self.step}, its last (--steps "
+                f"{self.step}); give --steps above {self.step} to train on, or another --out for a new run"
+            )
+        changed = f"; settings changed from the run's: {', '.join(self.changed)}" if self.changed else ""
+        return f"resuming {out!r} from its checkpoint of step {self.step}, with the run's settings{changed}"
+
+
+def _same(name: str, saved: Any, now: Any) -> bool:
+    if name == "data" and saved and now:  # one file or folder, however it is spelled
+        return bool(saved == now or Path(saved).resolve() == Path(now).resolve())
+    return bool(saved == now)
+
+
+def resume_point(cfg: TrainConfig) -> ResumePoint:
+    """Check ``cfg`` (with ``resume`` set) against its run's newest checkpoint: a setting of
+    :data:`FIXED` that differs, or ``--steps`` below the checkpoint's step, is a :class:`ConfigError`."""
+    found = newest_checkpoint(cfg.out)
+    if found is None:
+        raise ConfigError(f"--resume: no checkpoint in {str(Path(cfg.out) / 'checkpoints')!r}")
+    step = int(m.group(1)) if (m := re.search(r"step-(\d+)", found.name)) else 0
+    saved = saved_settings(found)
+    changed = []
+    for name, before in saved.items():
+        now = getattr(cfg, name)
+        if name in _INVOCATION or _same(name, before, now):
+            continue
+        if name in FIXED:
+            raise ConfigError(
+                f"--resume: --{_flag(name)} {now!r} differs from the run's {before!r}, and {FIXED[name]} cannot "
+                f"change in the middle of a run; leave --{_flag(name)} out to keep the run's, or start a new run "
+                "with another --out"
+            )
+        changed.append(f"--{_flag(name)} {before} -> {now}")
+    if cfg.steps < step:
+        raise ConfigError(
+            f"--resume: --steps {cfg.steps} is before the checkpoint's step {step} ({found}); give --steps above "
+            f"{step} to train on, or leave --steps out to take the run's ({saved.get('steps', cfg.steps)})"
+        )
+    return ResumePoint(found, step, tuple(changed), finished=cfg.steps == step)
