@@ -31,7 +31,9 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "TrainConfig",
+    "checkpoint_to_resume",
     "has_tensorboard",
+    "newest_checkpoint",
     "read_config_file",
 ]
 
@@ -400,18 +402,7 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in OUT, --overwrite deletes it: give one of them")
         if self.resume:
-            checkpoints = out / "checkpoints"
-            try:
-                with warnings.catch_warnings():  # a fallback to an older step is said once, when it is loaded
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    found = latest(checkpoints)
-            except CheckpointError as exc:
-                raise ConfigError(f"--resume: {exc}") from exc
-            if found is None:
-                raise ConfigError(
-                    f"--resume: no checkpoint in {str(checkpoints)!r}; leave --resume out to start afresh, "
-                    "or give the --out of the run to continue"
-                )
+            checkpoint_to_resume(out)
 
     @property
     def depth(self) -> int:
@@ -434,6 +425,28 @@ class TrainConfig:
             where = f"--hf-config {self.hf_config!r}" if config is not None else "the built-in GPT-2"
             return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
+
+
+def newest_checkpoint(out: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run in ``out``, if any (a fallback to an older one is said
+    once, when it is loaded, not here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return latest(Path(out) / "checkpoints")
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from exc
+
+
+def checkpoint_to_resume(out: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from: :func:`newest_checkpoint`, or a :class:`ConfigError`."""
+    found = newest_checkpoint(out)
+    if found is None:
+        raise ConfigError(
+            f"--resume: no checkpoint in {str(Path(out) / 'checkpoints')!r}; leave --resume out to start afresh, "
+            "or give the --out of the run to continue"
+        )
+    return found
 
 
 def read_config_file(path: str) -> dict[str, Any]:

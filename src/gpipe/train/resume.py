@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from gpipe.saving import CheckpointError, latest
-from gpipe.train.config import ConfigError, TrainConfig, _flag, _typed
+from gpipe.train.config import ConfigError, TrainConfig, _flag, _typed, checkpoint_to_resume, newest_checkpoint
 
 __all__ = [
     "FIXED",
@@ -26,7 +24,6 @@ __all__ = [
     "check_out",
     "delete_results",
     "earlier_run",
-    "newest_checkpoint",
     "resume_point",
     "resumed_settings",
     "saved_settings",
@@ -96,17 +93,6 @@ def delete_results(out: Path) -> list[str]:
     return gone
 
 
-def newest_checkpoint(out: str | Path) -> Path | None:
-    """The newest complete checkpoint of the run in ``out`` (a fallback to an older one is said once,
-    when it is loaded, not here)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return latest(Path(out) / "checkpoints")
-    except CheckpointError as exc:
-        raise ConfigError(f"--resume: {exc}") from exc
-
-
 def saved_settings(checkpoint: Path) -> dict[str, Any]:
     """The settings the run saved in ``checkpoint``'s ``run.json`` (those this version knows)."""
     path = checkpoint / RUN
@@ -164,9 +150,7 @@ def _same(name: str, saved: Any, now: Any) -> bool:
 def resume_point(cfg: TrainConfig) -> ResumePoint:
     """Check ``cfg`` (with ``resume`` set) against its run's newest checkpoint: a setting of
     :data:`FIXED` that differs, or ``--steps`` below the checkpoint's step, is a :class:`ConfigError`."""
-    found = newest_checkpoint(cfg.out)
-    if found is None:
-        raise ConfigError(f"--resume: no checkpoint in {str(Path(cfg.out) / 'checkpoints')!r}")
+    found = checkpoint_to_resume(cfg.out)
     step = int(m.group(1)) if (m := re.search(r"step-(\d+)", found.name)) else 0
     saved = saved_settings(found)
     changed = []
