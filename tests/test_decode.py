@@ -14,9 +14,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe import Pipeline
+from gpipe.cache import Cache, LayerCache, layer_cache, using
 from gpipe.data import EOS, PAD
-from gpipe.decode import beam_search, greedy
-from gpipe.models.transformer import Output, transformer
+from gpipe.decode import Chunk, beam_search, decode_batches, greedy
+from gpipe.models.transformer import Output, transformer, transformer_lm
 from tests.dist_harness import ROOT, free_port, wait
 
 VOCAB = 20
@@ -41,11 +42,12 @@ def data(seed: int, batch: int = 5) -> tuple[Tensor, Tensor]:
     return source, start
 
 
-def pipeline_of(model: nn.Sequential, k: int) -> Pipeline:
-    balance = {1: [5], 2: [2, 3]}[k]
+def pipeline_of(model: nn.Sequential, k: int, schedule: str = "gpipe") -> Pipeline:
+    virtual = 2 if schedule == "zb-v" else 1
+    balance = {1: [5], 2: [2, 3], 4: [1, 1, 1, 2]}[k * virtual]
     pipe = Pipeline(
         copy.deepcopy(model), balance, chunks=2, loss_fn=lambda out, target: out.sum(), devices=["cpu"] * k,
-        cpu_threads=1,
+        cpu_threads=1, schedule=schedule, virtual=virtual,
     )  # fmt: skip
     return pipe.eval()
 
@@ -79,7 +81,7 @@ def test_beam_one_is_greedy(seed: int, alpha: float) -> None:
     assert torch.equal(beam_search(model, source, start, beam=1, max_len=10, length_penalty=alpha), expected)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
 def test_pipeline_decodes_as_the_plain_model(k: int) -> None:
     model = model_of(3)
     source, start = data(3)
@@ -88,6 +90,101 @@ def test_pipeline_decodes_as_the_plain_model(k: int) -> None:
     assert torch.equal(
         beam_search(pipe, source, start, beam=3, max_len=8), beam_search(model, source, start, beam=3, max_len=8)
     )
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("seed", [4, 5])
+def test_cached_decoding_chooses_the_uncached_tokens(k: int, seed: int) -> None:
+    """The stages' caches change nothing: every token is the uncached decoding's (which runs the
+    whole prefix through the plain model at every step), greedy and beam, with groups in flight."""
+    model = model_of(seed)
+    source, start = data(seed, batch=7)
+    pipe = pipeline_of(model, k)
+    assert torch.equal(greedy(pipe, source, start, max_len=9), greedy(model, source, start, max_len=9, cache=False))
+    for beam in (1, 2, 4):
+        for alpha in (0.0, 0.6):
+            expected = beam_search(model, source, start, beam=beam, max_len=9, length_penalty=alpha, cache=False)
+            got = beam_search(pipe, source, start, beam=beam, max_len=9, length_penalty=alpha)
+            assert torch.equal(got, expected), (beam, alpha)
+    assert pipe.last_decode is not None and pipe.last_decode.steps > 0
+
+
+def test_a_v_shaped_pipeline_decodes_with_its_first_and_last_stage_on_one_worker() -> None:
+    model = model_of(6)
+    source, start = data(6, batch=6)
+    pipe = pipeline_of(model, 2, schedule="zb-v")  # stages 0 and 3 on worker 0
+    assert pipe.engine.placement.worker_of == (0, 1, 1, 0)
+    assert torch.equal(greedy(pipe, source, start, max_len=8), greedy(model, source, start, max_len=8, cache=False))
+    assert torch.equal(
+        beam_search(pipe, source, start, beam=3, max_len=8),
+        beam_search(model, source, start, beam=3, max_len=8, cache=False),
+    )
+    with pytest.raises(ValueError, match="groups"):
+        greedy(pipe, source, start, max_len=8, groups=2)  # 4 stages: 2 groups would deadlock on worker 0
+
+
+def test_a_stream_of_batches_refills_the_groups() -> None:
+    """More batches than groups: a group that finishes starts the next batch (its caches cleared),
+    each batch with its own length limit."""
+    model = model_of(7)
+    pipe = pipeline_of(model, 2)
+    batches = []
+    for i, size in enumerate((3, 1, 4, 2, 5)):
+        source, start = data(20 + i, batch=size)
+        batches.append(Chunk(source, start, 4 + i))
+    for beam in (1, 3):
+        got = decode_batches(pipe, batches, beam=beam)
+        assert len(got) == len(batches)
+        for chunk, tokens in zip(batches, got):
+            expected = beam_search(model, chunk.source, chunk.start, beam=beam, max_len=chunk.max_len, cache=False)
+            assert torch.equal(tokens, expected)
+
+
+def test_finished_sentences_leave_the_rows() -> None:
+    """A step computes only the sentences not yet finished: the rows the output layer sees at step t
+    are the sentences without an eos before t."""
+    model = model_of(8)
+    source, start = data(8, batch=8)
+    seen: list[int] = []
+    model[-1].register_forward_hook(lambda module, inputs, output: seen.append(output.size(0)))
+    out = greedy(model, source, start, max_len=10)
+    finished_at = [row.index(EOS) if EOS in row else len(row) for row in out.tolist()]
+    assert len(set(finished_at)) > 1  # (the test needs sentences that end at different steps)
+    assert seen == [sum(1 for f in finished_at if f >= t) for t in range(len(seen))]
+
+
+def test_the_caches_live_per_layer_and_reorder_by_row() -> None:
+    torch.manual_seed(0)
+    lm = transformer_lm(2, 32, 2, dim=16, vocab=VOCAB, max_len=16, dropout=0.0).eval()
+    tokens = torch.randint(0, VOCAB, (3, 6))
+    cache = Cache()
+    with torch.no_grad():
+        full = lm(tokens)
+        with using(cache):
+            first = lm(tokens[:, :4])
+            block = cache.of(lm[1])
+            assert block.tensors["self.k"].shape == (3, 2, 4, 8)  # (rows, heads, positions, head dim)
+            cache.reorder(torch.tensor([2, 0, 1]))
+            later = lm(tokens[[2, 0, 1], 4:])
+    assert layer_cache(lm[1]) is None  # no decoding outside using()
+    assert torch.allclose(torch.cat([first[[2, 0, 1]], later], 1), full[[2, 0, 1]], atol=1e-5)
+    assert cache.nbytes == sum(c.nbytes for c in (cache.of(layer) for layer in lm))
+    assert isinstance(cache.of(lm[1]), LayerCache) and len(cache) == len(lm)
+
+
+def test_cached_transformer_layers_compute_what_the_whole_sequence_does() -> None:
+    for head_dim in (None, 4):
+        torch.manual_seed(1)
+        model = transformer(2, 32, 2, dim=16, vocab=VOCAB, max_len=16, dropout=0.0, head_dim=head_dim).eval()
+        source, _ = data(1)
+        target = torch.randint(3, VOCAB, (5, 7))
+        target[1, 3] = PAD  # a padding token among the target's keys
+        with torch.no_grad():
+            full = model((source, target))
+            cache = Cache()
+            with using(cache):
+                steps = [model((source, target[:, :3]))] + [model((None, target[:, t : t + 1])) for t in range(3, 7)]
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5), head_dim
 
 
 def test_beam_finds_no_worse_than_greedy() -> None:
@@ -151,6 +248,10 @@ def test_bad_arguments_are_named() -> None:
         greedy(model, source[0], start, max_len=5)
     with pytest.raises(ValueError, match=r"start must be a \(B,\) tensor.*\(5, 1\)"):
         greedy(model, source, start.unsqueeze(1), max_len=5)
+    with pytest.raises(ValueError, match=r"groups must be an integer >= 1 \(groups: 0\)"):
+        greedy(model, source, start, max_len=5, groups=0)
+    with pytest.raises(ValueError, match=r"cache=True needs a model of gpipe's Transformer layers.*Rigged"):
+        greedy(Rigged().eval(), source, start, max_len=5, cache=True)
     with pytest.raises(ValueError, match="evaluation mode"):
         greedy(model.train(), source, start, max_len=5)
 
@@ -164,6 +265,10 @@ def test_a_model_returning_something_else_is_named() -> None:
 # -- torch.distributed: one process per stage (gloo), run as python -m tests.test_decode OUT --
 
 
+def _stream() -> list[Chunk]:
+    return [Chunk(*data(30 + i, batch=2 + i), 5 + i) for i in range(4)]
+
+
 def _rank_main(out: str) -> None:
     torch.set_num_threads(1)
     model = model_of(3)
@@ -173,6 +278,7 @@ def _rank_main(out: str) -> None:
     result = {
         "greedy": greedy(pipe, source, start, max_len=8),
         "beam": beam_search(pipe, source, start, beam=3, max_len=8),
+        "stream": decode_batches(pipe, _stream(), beam=2, groups=3),
     }
     torch.save(result, out)
     torch.distributed.destroy_process_group()
@@ -202,13 +308,17 @@ def test_every_rank_of_a_distributed_pipeline_decodes_alike(tmp_path: Path) -> N
     model = model_of(3)
     source, start = data(3)
     expected = {
-        "greedy": greedy(model, source, start, max_len=8),
-        "beam": beam_search(model, source, start, beam=3, max_len=8),
+        "greedy": greedy(model, source, start, max_len=8, cache=False),
+        "beam": beam_search(model, source, start, beam=3, max_len=8, cache=False),
     }
+    stream = [beam_search(model, c.source, c.start, beam=2, max_len=c.max_len, cache=False) for c in _stream()]
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for name in expected:
             assert torch.equal(got[name], expected[name]), (rank, name)
+        assert len(got["stream"]) == len(stream)
+        for tokens, want in zip(got["stream"], stream):
+            assert torch.equal(tokens, want), rank
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ ROOT = Path(gpipe.__file__).parent
 # The two parts, by the name under gpipe/ of each module or folder. The library: the engine and its front
 # ends; the applications: what is built on it. Every entry of gpipe/ is in exactly one.
 LIBRARY = frozenset({
-    "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory",  # the paper's concepts
+    "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory", "cache",  # concepts
     "balance", "schedule", "sequential", "runtime", "distributed", "saving", "engine",  # the engine
-    "pipeline", "gpipe",  # the front ends
+    "pipeline", "gpipe", "generation",  # the front ends
 })  # fmt: skip
 APPLICATIONS = frozenset({
     "models", "recipe", "data", "decode", "evaluation", "translate", "export", "train", "bench", "demo", "commands",

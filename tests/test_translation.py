@@ -151,8 +151,14 @@ def test_translate_from_a_checkpoint_at_any_partition_count(
     for partitions in ("1", "2"):
         target = tmp_path / f"out-{partitions}.txt"
         argv = ["translate", "--checkpoint", str(out), "--input", str(sources), "--output", str(target), "--to", "ya"]
-        assert main([*argv, "--beam", "1", "--partitions", partitions]) == 0, capsys.readouterr().err
+        assert main([*argv, "--beam", "1", "--partitions", partitions, "--batch", "4"]) == 0, capsys.readouterr().err
         outputs.append(target.read_text(encoding="utf-8").splitlines())
+        # progress on standard error: every sentence counted, tokens/s, the caches' memory per stage
+        err = capsys.readouterr().err.splitlines()
+        count = len(held) + 1
+        assert err[-2].startswith(f"translating: {count}/{count} sentences (100%)") and "tokens_per_s=" in err[-2]
+        assert err[-1].startswith("translated with caches of at most stage 0:")
+        assert err[-1].count("stage ") == int(partitions) and "MiB" in err[-1]
     assert outputs[0] == outputs[1]  # the same translations from one and two stages
     lines = outputs[0]
     assert len(lines) == len(held) + 2 and lines[len(held)] == ""  # a blank line stays blank
@@ -189,7 +195,7 @@ def test_translate_writes_its_output_whole_or_not_at_all(
 
     monkeypatch.setattr("gpipe.translate.open", full_disk, raising=False)
     argv = ["translate", "--checkpoint", str(run[0]), "--input", str(sources), "--output", str(target), "--to", "ya"]
-    assert main([*argv, "--beam", "1"]) == 2
+    assert main([*argv, "--beam", "1", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot write --output" in err and "no space left" in err, err
     assert target.read_text(encoding="utf-8") == "yesterday's translations\n"

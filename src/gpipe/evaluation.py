@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
-from gpipe.decode import beam_search, greedy
+from gpipe.decode import Chunk, decode_batches
 from gpipe.pipeline import Pipeline
 
-__all__ = ["bleu", "decode_batch", "evaluate", "resource_groups", "translate_held_out"]
+__all__ = ["bleu", "evaluate", "resource_groups", "translate_held_out", "translation_chunk"]
 
 Loss = Callable[..., Tensor]
 
@@ -52,16 +52,11 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
-def decode_batch(
-    model: Any, source: Tensor, start: Tensor, *, max_len: int, beam: int = 1, length_penalty: float = 0.6
-) -> Tensor:
-    """Token ids of the translations of ``source`` (padded with PAD): greedy with ``beam`` 1, else
-    beam search; at most twice the longest source's tokens + 10, and at most ``max_len``, so that a
-    sentence that never says EOS costs a bounded number of steps."""
-    limit = min(max_len, 2 * int((source != PAD).sum(1).max()) + 10)
-    if beam == 1:
-        return greedy(model, source, start, max_len=limit)
-    return beam_search(model, source, start, beam=beam, max_len=limit, length_penalty=length_penalty)
+def translation_chunk(source: Tensor, start: Tensor, *, max_len: int) -> Chunk:
+    """Sentences to translate together, with their length limit: at most twice the longest source's
+    tokens + 10, and at most ``max_len``, so that a sentence that never says EOS costs a bounded
+    number of steps."""
+    return Chunk(source, start, min(max_len, 2 * int((source != PAD).sum(1).max()) + 10))
 
 
 def translate_held_out(
@@ -74,12 +69,14 @@ def translate_held_out(
     beam: int = 1,
     length_penalty: float = 0.6,
 ) -> list[str]:
-    """The translations of ``held``'s sentences, ``batch`` at a time (:func:`decode_batch`), as text."""
+    """The translations of ``held``'s sentences as text, ``batch`` at a time, limited as
+    :func:`translation_chunk` says (a stream of batches: :func:`gpipe.decode.decode_batches`)."""
+    chunks = [
+        translation_chunk(held.source[first : first + batch], held.start[first : first + batch], max_len=max_len)
+        for first in range(0, len(held), batch)
+    ]
     texts: list[str] = []
-    for first in range(0, len(held), batch):
-        rows = slice(first, first + batch)
-        ids = decode_batch(model, held.source[rows], held.start[rows], max_len=max_len, beam=beam,
-                           length_penalty=length_penalty)  # fmt: skip
+    for ids in decode_batches(model, chunks, beam=beam, length_penalty=length_penalty):
         texts += [detokenize(row) for row in ids.tolist()]
     return texts
 

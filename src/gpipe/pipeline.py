@@ -23,6 +23,7 @@ from gpipe.distributed import init_from_env
 from gpipe.engine import build
 from gpipe.microbatch import batch_size, gather, scatter, scatter_pair
 from gpipe.runtime.context import LossFn, StepContext, loss_scale
+from gpipe.runtime.decoding import DecodeTrace, Feed, Streams, decode
 from gpipe.runtime.partition import Layers, as_balance, check_chunks
 from gpipe.runtime.planner import AutoSchedule
 from gpipe.runtime.trace import StepTrace
@@ -129,6 +130,7 @@ class Pipeline(nn.Module):
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
+        self.last_decode: DecodeTrace | None = None
 
     @property
     def num_workers(self) -> int:
@@ -194,3 +196,27 @@ class Pipeline(nn.Module):
             )
             _, outputs = self.engine.executor.forward(self.schedule_for(len(batches)), batches, ctx)
         return gather(outputs) if outputs else None
+
+    def decode(self, feed: Feed) -> DecodeTrace:
+        """Decode ``feed``'s groups of sequences through the stages, each stage keeping the groups'
+        caches, several groups in flight (:mod:`gpipe.runtime.decoding`); returns what this process
+        did (also kept as ``last_decode``). Under torch.distributed every rank calls it alike; the
+        feed's choices are made where the last stage runs."""
+        if self.training:
+            raise ValueError("decode a pipeline in evaluation mode: call pipe.eval() first")
+        if self.data_parallel > 1:
+            raise NotImplementedError(
+                f"decoding a Pipeline with data_parallel={self.data_parallel} is not supported: "
+                "build one without data parallelism to decode"
+            )
+        streams: Streams | None = None
+        if self.distributed:
+            from gpipe.distributed.channels import ChannelTransport
+            from gpipe.distributed.streams import ChannelStreams
+
+            transport = self.engine.executor.transport
+            assert isinstance(transport, ChannelTransport)
+            streams = ChannelStreams.of(transport)
+        seed = self.engine.comm.seed()
+        self.last_decode = decode(self.engine.executor, feed, streams=streams, seed=seed)
+        return self.last_decode

@@ -17,7 +17,10 @@ tag ``<2xx>``, else ``--to``, else the only language the model knows. Sources lo
 ``--max-length`` are cut to it; a translation has at most twice the source's tokens + 10 (and at
 most ``--max-length``). Decoding is beam search (``--beam``, GNMT's length penalty
 ``--length-penalty``), or greedy with ``--beam 1``, through the pipeline's stages
-(:mod:`gpipe.decode`); under torchrun every rank decodes and rank 0 writes.
+(:mod:`gpipe.decode`): each stage keeps its layers' keys and values, and ``--groups`` batches of
+``--batch`` sentences are in flight at once (default: one per stage, so that every stage works);
+under torchrun every rank decodes and rank 0 writes. Progress (sentences, tokens/s) and the caches'
+memory per stage go to standard error (``--quiet``: none).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
@@ -39,8 +43,9 @@ from gpipe.balance import balance_by_flops
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.data import EOS, PAD
 from gpipe.data.vocab import Vocab
+from gpipe.decode import decode_batches
 from gpipe.distributed import init_from_env
-from gpipe.evaluation import decode_batch
+from gpipe.evaluation import translation_chunk
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, latest, load, write_atomically
 
@@ -73,7 +78,7 @@ class Translator:
     """A checkpoint's translation model in a :class:`~gpipe.Pipeline` of ``partitions`` stages,
     with its vocabulary. Under torchrun, ``partitions`` is the world size, one stage per rank."""
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1, chunks: int = 1) -> None:
+    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1, groups: int | None = None) -> None:
         from gpipe.train import TrainConfig, translation_model
 
         self.folder = find_checkpoint(checkpoint)
@@ -105,11 +110,12 @@ class Translator:
         sample = (torch.full((2, 4), 5), torch.full((2, 4), 5))
         self.pipe = Pipeline(
             model,
-            balance_by_flops(partitions, model, sample, chunks=chunks),
-            chunks=chunks,
+            balance_by_flops(partitions, model, sample),
+            chunks=1,
             loss_fn=lambda output, target: output.sum(),  # (never called: forwards only)
             devices=None if distributed else ["cpu"] * partitions,
         )
+        self.groups = groups
         self.step = load(self.pipe, self.folder)
         self.pipe.eval()
 
@@ -144,20 +150,63 @@ class Translator:
         beam: int = 4,
         length_penalty: float = 0.6,
         batch: int = 32,
+        progress: bool = False,
     ) -> list[str]:
-        """The translations of ``lines`` (a blank line translates to a blank line)."""
+        """The translations of ``lines`` (a blank line translates to a blank line). ``progress``:
+        sentences done and tokens/s on standard error (a bar on a terminal), where the last stage
+        runs."""
         encoded = {i: self.encode(line, to) for i, line in enumerate(lines) if line.strip()}
         out = [""] * len(lines)
         order = sorted(encoded, key=lambda i: len(encoded[i][0]))  # similar lengths batch together
-        for first in range(0, len(order), batch):
-            rows = order[first : first + batch]
+        batches = [order[first : first + batch] for first in range(0, len(order), batch)]
+        chunks = []
+        for rows in batches:
             longest = max(len(encoded[i][0]) for i in rows)
             source = torch.tensor([[*encoded[i][0], *[PAD] * (longest - len(encoded[i][0]))] for i in rows])
             start = torch.tensor([encoded[i][1] for i in rows])
-            ids = decode_batch(self.pipe, source, start, max_len=self.length, beam=beam, length_penalty=length_penalty)
+            chunks.append(translation_chunk(source, start, max_len=self.length))
+        report = _Report(sum(len(rows) for rows in batches)) if progress and self._decides() else None
+        decoded = decode_batches(
+            self.pipe, chunks, beam=beam, length_penalty=length_penalty, groups=self.groups,
+            on_batch=report.batch_done if report is not None else None,
+        )  # fmt: skip
+        if report is not None:
+            report.close(self.pipe)
+        for rows, ids in zip(batches, decoded):
             for i, row in zip(rows, ids.tolist()):
                 out[i] = self.vocab.decode(row[: row.index(EOS)] if EOS in row else row)
         return out
+
+    def _decides(self) -> bool:
+        """Whether this process chooses the tokens (holds the last stage)."""
+        return self.pipe.engine.placement.holds(self.pipe.engine.placement.num_stages - 1)
+
+
+class _Report:
+    """Sentences translated and tokens/s as the batches finish; the caches' peak bytes at the end."""
+
+    def __init__(self, sentences: int) -> None:
+        from gpipe.train.progress import progress
+
+        self.bar = progress(sentences, desc="translating", unit="sentence")
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def batch_done(self, index: int, tokens: torch.Tensor) -> None:
+        self.tokens += int((tokens != PAD).sum())
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix(tokens_per_s=f"{self.tokens / elapsed:.0f}" if elapsed > 0 else "-")
+        self.bar.update(tokens.size(0))
+
+    def close(self, pipe: Pipeline) -> None:
+        self.bar.close()
+        trace = pipe.last_decode
+        if trace is not None and trace.cache_bytes:
+            cached = ", ".join(f"stage {s}: {_mib(b)}" for s, b in sorted(trace.cache_bytes.items()))
+            print(f"translated with caches of at most {cached} (this process's stages)", file=sys.stderr)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _parser() -> ArgumentParser:
@@ -174,7 +223,13 @@ def _parser() -> ArgumentParser:
     parser.add_argument(
         "--partitions", type=int, default=None, help="pipeline stages (default: 1; under torchrun, the world size)"
     )
-    parser.add_argument("--chunks", type=int, default=1, help="micro-batches of a batch (default: 1)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="batches decoded at once, each on another stage (default: one per stage of the pipeline)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress report on standard error")
     return parser
 
 
@@ -216,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         partitions = args.partitions if args.partitions is not None else world
         for name, value in (("beam", args.beam), ("batch", args.batch), ("partitions", partitions),
-                            ("chunks", args.chunks)):  # fmt: skip
-            if value <= 0:
+                            ("groups", args.groups)):  # fmt: skip
+            if value is not None and value <= 0:
                 raise UsageError(f"--{name} must be positive (got {value})")
         if not args.length_penalty >= 0:
             raise UsageError(f"--length-penalty must be >= 0 (got {args.length_penalty})")
@@ -225,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--partitions {partitions} differs from the {world} processes of torchrun")
         if args.input is not None and not Path(args.input).is_file():
             raise UsageError(f"--input {args.input!r}: no such file")
-        translator = Translator(args.checkpoint, partitions=partitions, chunks=args.chunks)
+        translator = Translator(args.checkpoint, partitions=partitions, groups=args.groups)
         if args.to is not None:
             translator.language(args.to)
         with _input(args.input) as f:
@@ -234,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except UnicodeDecodeError as exc:
                 raise UsageError(f"{args.input or 'standard input'} is not UTF-8 text: {exc}") from None
         translations = translator.translate(
-            lines, to=args.to, beam=args.beam, length_penalty=args.length_penalty, batch=args.batch
-        )
+            lines, to=args.to, beam=args.beam, length_penalty=args.length_penalty, batch=args.batch,
+            progress=not args.quiet,
+        )  # fmt: skip
         if not dist.is_initialized() or dist.get_rank() == 0:
             _write(args.output, [t + "\n" for t in translations])
     except (UsageError, CheckpointError) as exc:

@@ -7,7 +7,13 @@ prints the schedule's bubble and peak in-flight activations and draws its timeli
     gpipe schedule --auto --stages 4 --chunks 8 --costs F=1,I=1,W=2,transfer=0.1 [--memory-cap 4]
 
 prints the schedule the cost-adaptive scheduler picks for those costs (see :mod:`gpipe.schedule.auto`),
-why (every candidate's step time, peak memory and whether it fits the cap), and draws its timeline.
+why (every candidate's step time, peak memory and whether it fits the cap), and draws its timeline;
+
+    gpipe schedule --decode --stages 4 --groups 4 [--steps 4] [--virtual 2] [--out timeline.png]
+
+prints a decode's timeline (forwards only, ``--groups`` groups of sequences in flight, each step's
+input chosen by the group's step before it; see :mod:`gpipe.schedule.decode`): its bubble over
+``--steps`` steps and in steady state, and its throughput against one worker running every stage.
 """
 
 from __future__ import annotations
@@ -18,7 +24,18 @@ import math
 from collections.abc import Sequence
 
 from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
-from gpipe.schedule import SCHEDULES, StageCosts, kind_cost, make_schedule, plan, render_timeline, simulate
+from gpipe.schedule import (
+    SCHEDULES,
+    StageCosts,
+    decode,
+    decode_bubble,
+    kind_cost,
+    make_schedule,
+    plan,
+    render_timeline,
+    simulate,
+)
+from gpipe.schedule.ir import round_robin
 from gpipe.schedule.render import check_timeline_path
 
 __all__ = ["main"]
@@ -68,7 +85,7 @@ def _parser() -> ArgumentParser:
         help="pick the fastest schedule for --costs within --memory-cap, and show the candidates (not with --schedule)",
     )
     s.add_argument("--stages", type=int, default=4, help="K, pipeline workers (devices) (default: 4)")
-    s.add_argument("--chunks", type=int, default=8, help="M, micro-batches (default: 8)")
+    s.add_argument("--chunks", type=int, help="M, micro-batches (default: 8; not with --decode)")
     s.add_argument("--virtual", type=int, default=1, help="v, stages per worker (interleaved) (default: 1)")
     s.add_argument(
         "--costs",
@@ -83,13 +100,44 @@ def _parser() -> ArgumentParser:
         help="with --auto: activations a worker may hold, in micro-batches on a stage; "
         "one number, or one per worker separated by commas (default: no cap)",
     )
+    s.add_argument(
+        "--decode",
+        action="store_true",
+        help="a decode's schedule: forwards only, --groups groups of sequences in flight for --steps steps "
+        "(not with --schedule, --auto, --chunks, --costs, --memory-cap)",
+    )
+    s.add_argument("--groups", type=int, help="with --decode: G, groups in flight (default: one per stage)")
+    s.add_argument("--steps", type=int, help="with --decode: T, steps (tokens) of every group (default: 4)")
     s.add_argument("--out", help="write the timeline picture here (.png, .svg, .pdf, ...)")
     return s
 
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad flags before any work starts."""
-    positive(args, "stages", "chunks", "virtual")
+    if args.decode:
+        training = {
+            "--schedule": args.schedule is not None,
+            "--auto": args.auto,
+            "--chunks": args.chunks is not None,
+            "--costs": bool(args.costs),
+            "--memory-cap": args.memory_cap is not None,
+        }
+        given = [flag for flag, on in training.items() if on]
+        if given:
+            raise UsageError(
+                f"--decode makes its own schedule of --groups x --steps forwards, every one a unit long: "
+                f"drop {', '.join(given)}"
+            )
+        args.groups = args.stages * args.virtual if args.groups is None else args.groups
+        args.steps = 4 if args.steps is None else args.steps
+        positive(args, "stages", "virtual", "groups", "steps")
+    else:
+        unused = [f for f, v in [("--groups", args.groups), ("--steps", args.steps)] if v is not None]
+        if unused:
+            need = "need" if len(unused) > 1 else "needs"
+            raise UsageError(f"{' and '.join(unused)} {need} --decode (a training step has --chunks micro-batches)")
+        args.chunks = 8 if args.chunks is None else args.chunks
+        positive(args, "stages", "chunks", "virtual")
     if args.auto and args.schedule is not None:
         raise UsageError("--auto picks the schedule: drop --schedule, or drop --auto")
     if not args.auto:
@@ -113,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe schedule``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
     args = _parser().parse_args(argv)
     _check(args)
-    return _auto(args) if args.auto else _fixed(args)
+    return _decode(args) if args.decode else _auto(args) if args.auto else _fixed(args)
 
 
 def _printable(sim_makespan: float, values: Sequence[float]) -> bool:
@@ -184,4 +232,35 @@ def _auto(args: argparse.Namespace) -> int:
             f"peak memory {max(result.peak_memory):g}"
         )
         print(f"wrote {render_timeline(sim, args.out, title=title)}")
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    """``gpipe schedule --decode``: the first ``--steps`` steps of ``--groups`` groups decoded on
+    ``--stages`` workers (``--virtual`` stages each, round robin), every forward one unit long."""
+    placement = round_robin(args.stages * args.virtual, args.stages)
+    try:
+        sched = decode(placement, args.groups, args.steps)
+    except ValueError as exc:
+        return refuse(exc)
+    sim = simulate(sched)
+    steady = decode_bubble(placement, args.groups)
+    k = sched.num_workers
+    print(
+        f"schedule 'decode': K={k} workers, {sched.num_stages} stages, G={args.groups} groups in flight, "
+        f"T={args.steps} steps each ({sched.num_microbatches} micro-batches); every forward 1"
+    )
+    print(
+        f"makespan {sim.makespan:g}, bubble {sim.bubble:.4f} ({sim.bubble:.1%}) over these steps; "
+        f"throughput {sum(sim.busy) / sim.makespan:.2f}x one worker running every stage"
+    )
+    print(
+        f"steady state: bubble {steady:.4f} ({steady:.1%}); throughput {k * (1 - steady):.2f}x one worker's "
+        f"(tokens per unit of time, of {k} at most)"
+    )
+    print("key/value caches per worker (one per group and stage): " + ", ".join(map(str, sim.peak_in_flight)))
+    if _printable(sim.makespan, ()):
+        print(sim.text())
+    if args.out:
+        print(f"wrote {render_timeline(sim, args.out)}")
     return 0

@@ -13,6 +13,13 @@ Attention is ``nn.MultiheadAttention`` (heads of dim/A) unless ``head_dim`` is g
 head is ``head_dim`` wide whatever the model dimension (the paper's 32-head models fit heads of 64
 in a 1024-wide model), computed with ``F.scaled_dot_product_attention``.
 
+Decoding keeps caches in the layers (:mod:`gpipe.cache`): with a cache current, the encoder runs
+once (a step after the first carries no source: ``None``, which the encoder layers pass on), each
+decoder layer keeps its self-attention's keys and values and its cross-attention's keys and values of
+the encoder's output, and the target embedding counts the positions seen, so that a step computes
+only the new tokens' positions. Without a cache every layer computes the whole sequence, as in
+training.
+
 The paper's two trainability tricks for deep models are built in: every feed-forward layer's
 initial weights are scaled down by the number of layers (``ff_init_scale``, default 1/L), and the
 output logits are clipped to ±``logit_clip`` (None: no clipping).
@@ -27,6 +34,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from gpipe.cache import LayerCache, layer_cache
 from gpipe.recipe import clip_logits
 
 __all__ = ["Attention", "parameter_count", "transformer", "transformer_lm"]
@@ -114,14 +122,59 @@ class _Embedding(nn.Module):
         # Token vectors of unit scale after the sqrt(dim) factor, like the position vectors.
         nn.init.normal_(self.tokens.weight, std=self.scale**-1)
 
-    def forward(self, tokens: Tensor) -> Tensor:  # (B, T) -> (B, T, D)
-        positions = torch.arange(tokens.size(1), device=tokens.device)
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, D)
+        positions = torch.arange(offset, offset + tokens.size(1), device=tokens.device)
         out: Tensor = self.dropout(self.tokens(tokens) * self.scale + self.positions(positions))
         return out
 
 
 def _causal(length: int, device: torch.device) -> Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)  # True: masked
+
+
+def _projections(attn: nn.Module) -> tuple[Any, Any, Any, Any, int]:
+    """The query, key, value and output projections of ``attn`` as functions, and its heads."""
+    if isinstance(attn, Attention):
+        return attn.q, attn.k, attn.v, attn.out_proj, attn.heads
+    assert isinstance(attn, nn.MultiheadAttention)
+    w, b = attn.in_proj_weight.chunk(3), attn.in_proj_bias.chunk(3) if attn.in_proj_bias is not None else (None,) * 3
+    q, k, v = (lambda x, w=w_, b=b_: F.linear(x, w, b) for w_, b_ in zip(w, b))
+    return q, k, v, attn.out_proj, attn.num_heads
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:  # (B, T, H*d) -> (B, H, T, d)
+    return x.view(*x.shape[:-1], heads, x.size(-1) // heads).transpose(1, 2)
+
+
+def _attend_cached(
+    attn: nn.Module, cache: LayerCache, prefix: str, query: Tensor, new: Tensor | None, pad: Tensor | None, causal: bool
+) -> Tensor:
+    """``attn`` of ``query`` (B, T, D) over the keys and values kept under ``prefix`` in ``cache``,
+    extended by those of ``new`` (B, T', D) if given; ``pad`` (B, T') marks the new keys not to
+    attend to, ``causal``: the new queries are the last positions of the keys (a query attends to
+    the keys up to its own position)."""
+    q, k, v, out, heads = _projections(attn)
+    if new is not None:
+        keys = cache.extend(prefix + "k", _heads(k(new), heads), dim=2)
+        values = cache.extend(prefix + "v", _heads(v(new), heads), dim=2)
+        masked = cache.extend(
+            prefix + "pad", pad if pad is not None else new.new_zeros(new.shape[:2], dtype=torch.bool), 1
+        )
+        cache.values[prefix + "masked"] = cache.values.get(prefix + "masked", False) or bool(
+            masked[:, -new.size(1) :].any()
+        )
+    else:
+        keys, values, masked = cache.tensors[prefix + "k"], cache.tensors[prefix + "v"], cache.tensors[prefix + "pad"]
+    length, total = query.size(1), keys.size(2)
+    allowed: Tensor | None = None
+    if cache.values[prefix + "masked"]:
+        allowed = ~masked[:, None, None, :]
+    if causal and length > 1:
+        later = torch.ones(length, total, dtype=torch.bool, device=query.device).triu(total - length + 1)
+        allowed = ~later if allowed is None else allowed & ~later
+    attended = F.scaled_dot_product_attention(_heads(q(query), heads), keys, values, attn_mask=allowed)
+    result: Tensor = out(attended.transpose(1, 2).flatten(2))
+    return result
 
 
 class SourceEmbedding(nn.Module):
@@ -131,6 +184,8 @@ class SourceEmbedding(nn.Module):
 
     def forward(self, inputs: Tuple) -> Tuple:
         src, tgt = inputs
+        if src is None:  # a decoding step after the first: the source was encoded
+            return None, None, tgt
         return self.embed(src), src == self.pad, tgt
 
 
@@ -146,6 +201,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, inputs: Tuple) -> Tuple:
         x, src_pad, tgt = inputs
+        if x is None:  # a decoding step after the first: nothing to encode
+            return inputs
         h = self.norm1(x)
         x = x + self.dropout(self.attn(h, h, h, key_padding_mask=src_pad, need_weights=False)[0])
         x = x + self.dropout(self.ff(self.norm2(x)))
@@ -162,7 +219,13 @@ class TargetEmbedding(nn.Module):
 
     def forward(self, inputs: Tuple) -> Tuple:
         x, src_pad, tgt = inputs
-        return self.norm(x), src_pad, self.embed(tgt), tgt == self.pad
+        cache = layer_cache(self)
+        offset = 0
+        if cache is not None:  # decoding: the target's positions go on from those seen before
+            offset = cache.values.get("length", 0)
+            cache.values["length"] = offset + tgt.size(1)
+        memory = self.norm(x) if x is not None else None
+        return memory, src_pad, self.embed(tgt, offset), tgt == self.pad
 
 
 class DecoderLayer(nn.Module):
@@ -187,6 +250,9 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def _block(self, y: Tensor, tgt_pad: Tensor | None, memory: Tensor | None, src_pad: Tensor | None) -> Tensor:
+        cache = layer_cache(self)
+        if cache is not None:
+            return self._cached(cache, y, tgt_pad, memory, src_pad)
         h = self.norm1(y)
         mask = _causal(y.size(1), y.device)
         y = y + self.dropout(self.self_attn(h, h, h, attn_mask=mask, key_padding_mask=tgt_pad, need_weights=False)[0])
@@ -196,6 +262,33 @@ class DecoderLayer(nn.Module):
             y = y + self.dropout(attended)
         out: Tensor = y + self.dropout(self.ff(self.norm3(y)))
         return out
+
+    def _cached(
+        self, cache: LayerCache, y: Tensor, tgt_pad: Tensor | None, memory: Tensor | None, src_pad: Tensor | None
+    ) -> Tensor:
+        """The block on the new positions ``y``, attending to the kept keys and values too (the
+        encoder's output's, kept from the first step, for the cross-attention)."""
+        h = self.norm1(y)
+        y = y + self._cached_attention(self.self_attn, cache, "self.", h, h, tgt_pad, causal=True)
+        if self.cross:
+            h = self.norm2(y)
+            y = y + self._cached_attention(self.cross_attn, cache, "cross.", h, memory, src_pad, causal=False)
+        out: Tensor = y + self.ff(self.norm3(y))
+        return out
+
+    @staticmethod
+    def _cached_attention(
+        attn: nn.Module,
+        cache: LayerCache,
+        prefix: str,
+        query: Tensor,
+        new: Tensor | None,
+        pad: Tensor | None,
+        causal: bool,
+    ) -> Tensor:
+        if getattr(attn, "training", False):
+            raise ValueError("decoding with caches needs the model in evaluation mode: call model.eval() first")
+        return _attend_cached(attn, cache, prefix, query, new, pad, causal)
 
     def forward(self, inputs: Any) -> Any:
         if isinstance(inputs, Tensor):  # the decoder-only model: (B, T, D)
@@ -221,6 +314,13 @@ class Output(nn.Module):
 
 class TokenEmbedding(_Embedding):
     """The decoder-only model's input layer."""
+
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        cache = layer_cache(self)
+        if cache is not None:  # decoding: the positions go on from those seen before
+            offset = cache.values.get("length", 0)
+            cache.values["length"] = offset + tokens.size(1)
+        return super().forward(tokens, offset)
 
 
 def transformer(

@@ -7,11 +7,18 @@ Generate → validate → simulate → render → execute::
     >>> round(sim.bubble, 3), sim.peak_in_flight
     (0.273, (4, 3, 2, 1))
 
+A decode (forwards only, ``G`` groups of sequences in flight, each step's input chosen by the last)::
+
+    >>> from gpipe.schedule import decode, decode_bubble
+    >>> simulate(decode([0, 1, 2, 3], groups=4, steps=8)).peak_in_flight, decode_bubble([0, 1, 2, 3], 2)
+    ((4, 4, 4, 4), 0.5)
+
 Part of the library, at its bottom: plain data, so it imports neither torch nor any other part of gpipe
 (matplotlib only when a timeline is drawn); the runtime, the planner and the commands import it.
 """
 
 from gpipe.schedule.auto import Candidate, Plan, StageCosts, auto_schedule, peak_memory, plan
+from gpipe.schedule.decode import decode, decode_bubble, decode_order, decode_period, min_groups
 from gpipe.schedule.generate import (
     SCHEDULES,
     dualpipe_v,
@@ -46,6 +53,10 @@ __all__ = [
     "Simulation",
     "StageCosts",
     "auto_schedule",
+    "decode",
+    "decode_bubble",
+    "decode_order",
+    "decode_period",
     "dependencies",
     "dualpipe_v",
     "execution_order",
@@ -53,6 +64,7 @@ __all__ = [
     "interleaved_1f1b",
     "kind_cost",
     "make_schedule",
+    "min_groups",
     "one_f_one_b",
     "peak_memory",
     "plan",

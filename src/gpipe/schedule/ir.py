@@ -16,6 +16,12 @@ Dependencies are implied by the model and are the same for every schedule::
     B|I(m, s)  needs F(m, s) and B|I(m, s+1)     its own forward, the gradient from the next stage
     W(m, s)    needs I(m, s)
 
+A *decode* (generating tokens, the key/value caches kept in the stages) is forwards only, with a feedback
+loop: ``feedback = G`` groups of sequences are in flight, step ``t`` of group ``g`` is micro-batch
+``m = t*G + g``, and the last stage's output of ``m`` chooses micro-batch ``m + G``'s input::
+
+    F(m, 0)    needs F(m-G, S-1)  (m >= G)       the tokens the previous step of its group chose
+
 A schedule also says where every stage lives: ``placement[s]`` is the worker that holds stage ``s``
 (its layers, its activations, its gradients). Everything that places stages — partitioning, tied
 parameters, saving, the executors' transports — reads it from here (through
@@ -102,6 +108,8 @@ class Schedule:
 
     ``actions[w]`` is worker ``w``'s list; ``placement[s]`` the worker holding stage ``s``;
     ``num_stages`` counts virtual stages (``num_workers * virtual`` for an interleaved schedule).
+    ``feedback`` is 0 for a training step; ``G > 0`` makes the schedule a decode of ``G`` groups
+    (forwards only, ``F(m, 0)`` after ``F(m-G, S-1)``: :mod:`gpipe.schedule.decode`).
     """
 
     name: str
@@ -109,6 +117,7 @@ class Schedule:
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
+    feedback: int = 0
 
     @property
     def num_workers(self) -> int:
@@ -125,7 +134,15 @@ class Schedule:
     def only(self, *kinds: ActionKind) -> Schedule:
         """The same schedule with only the actions of ``kinds`` (a phase of a fill-drain step)."""
         acts = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, acts, self.placement)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, acts, self.placement, self.feedback)
+
+    def label(self, action: Action) -> str:
+        """``action`` in a timeline's cell: kind and micro-batch (``F3``); in a decode, the group and the
+        group's step (``g1t3``: micro-batch ``3*G + 1``)."""
+        if self.feedback:
+            step, group = divmod(action.microbatch, self.feedback)
+            return f"g{group}t{step}"
+        return action.label
 
     def __iter__(self) -> Iterator[Action]:
         return (a for acts in self.actions for a in acts)
@@ -148,6 +165,8 @@ def dependencies(action: Action, schedule: Schedule, present: set[Action] | None
     m, s = action.microbatch, action.stage
     if action.kind is ActionKind.FORWARD:
         deps = [F(m, s - 1)] if s > 0 else []
+        if s == 0 and schedule.feedback and m >= schedule.feedback:
+            deps.append(F(m - schedule.feedback, schedule.num_stages - 1))
     elif action.kind is ActionKind.BACKWARD_WEIGHT:
         deps = [I(m, s)]
     else:
@@ -169,6 +188,11 @@ def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` pointing at the first offending action, if any."""
     check_sizes(schedule.num_stages, schedule.num_microbatches)
     _check_placement(schedule)
+    if not (isinstance(schedule.feedback, int) and schedule.feedback >= 0):
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has feedback {schedule.feedback!r}: give 0 for a training step, "
+            "or the number of groups in flight (>= 1) for a decode"
+        )
     seen: dict[Action, tuple[int, int]] = {}
     for w, acts in enumerate(schedule.actions):
         for i, a in enumerate(acts):
@@ -215,6 +239,11 @@ def _check_action(
         raise ScheduleError(f"{a} at {where} is a duplicate of worker {seen[a][0]}, position {seen[a][1]}")
     if schedule.placement[a.stage] != w:
         raise ScheduleError(f"{a} at {where}: stage {a.stage} is placed on worker {schedule.placement[a.stage]}")
+    if schedule.feedback and a.kind is not ActionKind.FORWARD:
+        raise ScheduleError(
+            f"{a} at {where}: schedule {schedule.name!r} is a decode (feedback {schedule.feedback}), forwards only; "
+            "drop its backward actions, or make feedback 0 for a training step"
+        )
     before = I(a.microbatch, a.stage) if a.kind is ActionKind.BACKWARD_WEIGHT else F(a.microbatch, a.stage)
     if a.kind is not ActionKind.FORWARD and before not in seen:
         raise ScheduleError(f"{a} at {where} comes before {before}, which it needs")
@@ -226,6 +255,8 @@ def _check_complete(schedule: Schedule, m: int, s: int, seen: dict[Action, tuple
             raise ScheduleError(f"schedule {schedule.name!r} has no {a}: {why}")
 
     need(F(m, s), "every stage needs the forward of every micro-batch")
+    if schedule.feedback:
+        return  # a decode: forwards only (_check_action refused any other kind)
     if B(m, s) in seen:
         for split in (I(m, s), W(m, s)):
             if split in seen:

@@ -1,5 +1,6 @@
 """Pictures of a timeline, like the paper's Figure 2c: workers as rows, time as columns, forward and
-backward passes in distinct colours, micro-batch numbers in the cells, the bubble in the title.
+backward passes in distinct colours, micro-batch numbers in the cells (a decode's: group and step,
+``g1t3``), the bubble in the title.
 
 Works for a simulated timeline and for a measured one (``StepTrace.timeline()``) alike.
 """
@@ -76,16 +77,22 @@ def render_timeline(
                 linewidth=0.6,
             )
             if end - start > 0.012 * sim.makespan:
-                ax.text((start + end) / 2, w, str(a.microbatch), ha="center", va="center", fontsize=7, color="white")
+                text = schedule.label(a) if schedule.feedback else str(a.microbatch)
+                ax.text((start + end) / 2, w, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(workers), [f"worker {w}" for w in range(workers)])
     ax.invert_yaxis()
     ax.set_xlim(0, sim.makespan)
     ax.set_xlabel(unit)
+    if schedule.feedback:  # a decode: G groups, T steps each
+        steps = -(-schedule.num_microbatches // schedule.feedback)
+        sizes, held = f"G={schedule.feedback}, T={steps}", "caches per worker"
+    else:
+        sizes, held = f"M={schedule.num_microbatches}", "peak in flight"
     ax.set_title(
         title
-        or f"{schedule.name}: K={workers}, M={schedule.num_microbatches}"
+        or f"{schedule.name}: K={workers}, {sizes}"
         + (f", v={virtual}" if virtual > 1 else "")
-        + f" — bubble {sim.bubble:.1%}, peak in flight {max(sim.peak_in_flight)}"
+        + f" — bubble {sim.bubble:.1%}, {held} {max(sim.peak_in_flight)}"
     )
     ax.legend(
         handles=[Patch(color=COLORS[k], label=_NAMES[k]) for k in kinds_seen],

@@ -3,7 +3,8 @@
 Each worker runs its actions in order; an action starts as soon as its worker is free and the actions
 it depends on have ended. From the timeline: the makespan, every worker's busy and idle time, the
 bubble (the idle fraction of the step), and the peak number of micro-batches whose activations a
-worker holds (counted from a forward to the backward that frees them: B, or W after a split backward).
+worker holds (counted from a forward to the backward that frees them: B, or W after a split backward;
+in a decode, which keeps no activations, the key/value caches a worker holds instead).
 """
 
 from __future__ import annotations
@@ -60,20 +61,28 @@ class Simulation:
 
     @property
     def peak_in_flight(self) -> tuple[int, ...]:
-        """Per worker, the most micro-batches (over all its stages) holding activations at once."""
+        """Per worker, the most micro-batches (over all its stages) holding activations at once.
+
+        A decode's forwards keep no activations (no backward will want them), but each group keeps a
+        key/value cache on every stage from its first step to its last: there it is the caches a
+        worker holds, one per group on each of its stages (``G`` with one stage per worker)."""
+        fb = self.schedule.feedback
+        if fb:
+            return tuple(len({(a.microbatch % fb, a.stage) for a in acts}) for acts in self.schedule.actions)
         return tuple(peak_in_flight(acts) for acts in self.schedule.actions)
 
     def text(self) -> str:
         """The timeline as a small table: one row per worker, one column per unit of time (for
-        schedules simulated with integer costs). A cell is an action and its micro-batch (``F3``);
-        where a worker holds several stages, also the stage's letter on that worker (``F3b``: its
-        second stage), and a last line says which stages the letters are."""
+        schedules simulated with integer costs). A cell is an action and its micro-batch (``F3``), in
+        a decode the group and its step (``g1t3``, :meth:`Schedule.label`); where a worker holds
+        several stages, also the stage's letter on that worker (``F3b``: its second stage), and a last
+        line says which stages the letters are."""
         origin = min(start for start, _ in self.spans.values())
         sched = self.schedule
         held = [sched.stages_of(w) for w in range(sched.num_workers)]
         several = any(len(stages) > 1 for stages in held)
         labels = {
-            a: a.label + (_letter(held[w].index(a.stage)) if several else "")
+            a: sched.label(a) + (_letter(held[w].index(a.stage)) if several else "")
             for w, acts in enumerate(sched.actions)
             for a in acts
         }
