@@ -46,8 +46,8 @@ def pipeline_of(model: nn.Sequential, k: int, schedule: str = "gpipe") -> Pipeli
     virtual = 2 if schedule == "zb-v" else 1
     balance = {1: [5], 2: [2, 3], 4: [1, 1, 1, 2]}[k * virtual]
     pipe = Pipeline(
-        copy.deepcopy(model), balance, chunks=2, loss_fn=lambda out, target: out.sum(), devices=["cpu"] * k,
-        cpu_threads=1, schedule=schedule, virtual=virtual,
+        copy.deepcopy(model), balance, chunks=2, devices=["cpu"] * k, cpu_threads=1, schedule=schedule,
+        virtual=virtual,
     )  # fmt: skip
     return pipe.eval()
 
@@ -107,6 +107,14 @@ def test_cached_decoding_chooses_the_uncached_tokens(k: int, seed: int) -> None:
             got = beam_search(pipe, source, start, beam=beam, max_len=9, length_penalty=alpha)
             assert torch.equal(got, expected), (beam, alpha)
     assert pipe.last_decode is not None and pipe.last_decode.steps > 0
+
+
+def test_an_inference_pipeline_needs_no_loss_and_refuses_to_train() -> None:
+    pipe = pipeline_of(model_of(0), 2)  # built without loss_fn
+    source, start = data(0)
+    assert greedy(pipe, source, start, max_len=4).size(0) == source.size(0)
+    with pytest.raises(TypeError, match="built without loss_fn .* Pipeline\\(..., loss_fn=...\\) to train"):
+        pipe.train().step((source, start.unsqueeze(1)), start)
 
 
 def test_a_v_shaped_pipeline_decodes_with_its_first_and_last_stage_on_one_worker() -> None:

@@ -47,7 +47,8 @@ class Pipeline(nn.Module):
         schedule: a name in ``gpipe.schedule.SCHEDULES`` ('gpipe' (fill-drain), '1f1b',
             'interleaved-1f1b', 'zb-h1', 'zb-h2', 'zb-v', 'dualpipev'), or ``'auto'`` /
             :class:`gpipe.AutoSchedule`: planned from measured costs within a memory cap.
-        loss_fn: ``loss_fn(output, target) -> scalar``, applied per micro-batch: by default a mean
+        loss_fn: ``loss_fn(output, target) -> scalar``, applied per micro-batch (None: a pipeline for
+            inference, whose :meth:`step` refuses to run): by default a mean
             over the micro-batch's samples, weighted by its share of the mini-batch's samples, so
             that the step's gradients are those of the mean loss over the mini-batch.
         loss_count: for a loss averaged over items (tokens that are not padding): counts a target's
@@ -80,7 +81,7 @@ class Pipeline(nn.Module):
         balance: Sequence[int] | str,
         *,
         chunks: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         schedule: str | AutoSchedule = "gpipe",
         checkpoint: str = "except_last",
         devices: Sequence[torch.device | str | int] | None = None,
@@ -99,7 +100,7 @@ class Pipeline(nn.Module):
         super().__init__()
         if not isinstance(schedule, AutoSchedule) and schedule not in (*SCHEDULES, "auto"):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}, auto")
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target) (loss_fn: {loss_fn!r})")
         if loss_count is not None and not callable(loss_count):
             raise TypeError(
@@ -114,6 +115,7 @@ class Pipeline(nn.Module):
                 f"data_parallel x stages processes)"
             )
         self.loss_count, self.virtual = loss_count, virtual
+        self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.engine = build(
@@ -150,6 +152,11 @@ class Pipeline(nn.Module):
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
         accumulated into the parameters' ``.grad``. ``inputs`` and ``target`` are pytrees (a tensor,
         a tuple, a dict, ...) whose tensors have the same size in dim 0."""
+        if not self.trains:
+            raise TypeError(
+                "Pipeline.step trains with a loss: this pipeline was built without loss_fn (for inference: "
+                "pipe(inputs), decoding); build it with Pipeline(..., loss_fn=...) to train"
+            )
         if target is None:
             raise TypeError(
                 "Pipeline.step(inputs, target) needs the target that loss_fn compares the output with "
