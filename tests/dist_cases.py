@@ -723,3 +723,19 @@ def load_with_optimizer_and_step(directory: str, workers: int = 0) -> dict[str, 
     loaded = {k: v.clone() for k, v in layer_state(pipe).items()}
     next_loss = _steps(pipe, optimizer, 1)[0]
     return {"step": step, "loaded": loaded, "next": next_loss, "after": dict(layer_state(pipe))}
+
+
+def generate_llama() -> dict[str, Any]:
+    """Pipeline.generate of a small Llama on two ranks (tests/test_generate.py)."""
+    from tests.test_generation_traced import EOS, built, prompts
+
+    _, layers = built("llama")
+    n = len(layers)
+    pipe = Pipeline(layers, [n // 2, n - n // 2], chunks=1).eval()
+    assert pipe.distributed
+    ids, mask = prompts((6, 3, 5, 4))
+    return {
+        "greedy": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[EOS, 7, 11]),
+        "beam": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3),
+        "sample": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, seed=5, groups=3),
+    }

@@ -113,7 +113,7 @@ def test_an_inference_pipeline_needs_no_loss_and_refuses_to_train() -> None:
     pipe = pipeline_of(model_of(0), 2)  # built without loss_fn
     source, start = data(0)
     assert greedy(pipe, source, start, max_len=4).size(0) == source.size(0)
-    with pytest.raises(TypeError, match="built without loss_fn .* Pipeline\\(..., loss_fn=...\\) to train"):
+    with pytest.raises(TypeError, match=r"built without loss_fn .* Pipeline\(\.\.\., loss_fn=\.\.\.\) to train"):
         pipe.train().step((source, start.unsqueeze(1)), start)
 
 

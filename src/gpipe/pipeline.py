@@ -116,6 +116,8 @@ class Pipeline(nn.Module):
             )
         self.loss_count, self.virtual = loss_count, virtual
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
+        # What the layers say about generating (gpipe.generation.cached_layers's), for generate.
+        self.generation = getattr(module, "generation", None) if isinstance(module, nn.Sequential) else None
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.engine = build(
@@ -204,6 +206,59 @@ class Pipeline(nn.Module):
             _, outputs = self.engine.executor.forward(self.schedule_for(len(batches)), batches, ctx)
         return gather(outputs) if outputs else None
 
+    def generate(
+        self,
+        input_ids: Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: Tensor | None = None,
+        num_beams: int = 1,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = 50,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_return_sequences: int = 1,
+        groups: int | None = None,
+    ) -> Tensor:
+        """Continue the prompts ``input_ids`` (batch, length; left-padded, ``attention_mask`` 0 on
+        the padding) of a causal LM built by :func:`gpipe.generation.cached_layers`, with key/value
+        caches in the stages and ``groups`` groups of prompts in flight (default: one per stage).
+        Greedy by default; ``num_beams`` > 1: beam search; ``do_sample``: sampling (``temperature``,
+        ``top_k``, ``top_p``; ``seed``: each prompt's own random stream, the same tokens whatever
+        the stages and groups). The arguments and the result are transformers' ``generate``'s (the
+        prompts, then the new tokens, finished sequences padded); ``eos_token_id`` and
+        ``pad_token_id`` default to the model's. Every rank calls it alike and gets the result."""
+        from gpipe.generation.generate import Settings, generate, share_from
+
+        if self.generation is None:
+            raise ValueError(
+                "this pipeline's layers cannot generate: build it from gpipe.generation.cached_layers(model) "
+                "(a Hugging Face causal LM traced with caches), not from the model or to_sequential"
+            )
+        settings = Settings(
+            max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            length_penalty=length_penalty, early_stopping=early_stopping, num_return_sequences=num_return_sequences,
+        )  # fmt: skip
+        if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+            raise ValueError(f"groups must be an integer >= 1 (groups: {groups!r})")
+        placement = self.engine.placement
+        src, group, device = None, None, torch.device("cpu")
+        if self.distributed:
+            src = placement.rank_of(placement.num_stages - 1)
+            group = getattr(self.engine.comm, "pp_group", None)
+            if dist.get_backend(group) == "nccl":
+                device = self.engine.devices[0]
+        rows = input_ids.size(0) if isinstance(input_ids, Tensor) and input_ids.dim() else 1
+        share = share_from(src, group, device)
+        groups = min(groups or placement.num_stages, max(1, rows))
+        return generate(self.decode, self.generation, input_ids, attention_mask, settings, groups=groups, share=share)
+
     def decode(self, feed: Feed) -> DecodeTrace:
         """Decode ``feed``'s groups of sequences through the stages, each stage keeping the groups'
         caches, several groups in flight (:mod:`gpipe.runtime.decoding`); returns what this process
@@ -224,6 +279,7 @@ class Pipeline(nn.Module):
             transport = self.engine.executor.transport
             assert isinstance(transport, ChannelTransport)
             streams = ChannelStreams.of(transport)
-        seed = self.engine.comm.seed()
+        with torch.random.fork_rng(devices=[]):  # (the seed leaves the global generator to the feed's draws)
+            seed = self.engine.comm.seed()
         self.last_decode = decode(self.engine.executor, feed, streams=streams, seed=seed)
         return self.last_decode

@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe.decode.beams import Beams
+from gpipe.generation.generate import share_from
 from gpipe.models.transformer import DecoderLayer, EncoderLayer, Output, SourceEmbedding, TargetEmbedding
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.decoding import DecodeTrace, Next, decode
@@ -195,31 +196,13 @@ def run(
     ``on_chunk(index, tokens)`` is called as each chunk is done, where the last stage runs."""
     feed = _Feed(chunks, groups, beam, length_penalty, eos, pad, on_chunk)
     trace = model.decode(feed) if isinstance(model, Pipeline) else decode(_one_stage(model), feed)
-    results = [r for r in feed.results]
+    results: list[Tensor | None] = list(feed.results)
     if isinstance(model, Pipeline) and model.distributed:
-        results = _from_last_stage(model, results, len(chunks))
+        placement = model.engine.placement
+        group = getattr(model.engine.comm, "pp_group", None)
+        device = model.engine.devices[0] if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        results = list(share_from(placement.rank_of(placement.num_stages - 1), group, device)(results))
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         raise RuntimeError(f"the decode ended without the tokens of chunks {missing}")
     return [r for r in results if r is not None], trace
-
-
-def _from_last_stage(pipe: Pipeline, results: list[Tensor | None], count: int) -> list[Tensor | None]:
-    """The chunks' tokens, known on the last stage's rank, on every rank of the pipeline: their
-    shapes, then one buffer of them all."""
-    placement = pipe.engine.placement
-    src = placement.rank_of(placement.num_stages - 1)
-    group = getattr(pipe.engine.comm, "pp_group", None)
-    device = pipe.engine.devices[0] if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    shapes = torch.zeros(count, 2, dtype=torch.long, device=device)
-    if dist.get_rank() == src:
-        shapes.copy_(torch.tensor([tuple(r.shape) if r is not None else (0, 0) for r in results]))
-    dist.broadcast(shapes, src=src, group=group)
-    sizes = [int(b) * int(length) for b, length in shapes.tolist()]
-    flat = torch.zeros(sum(sizes), dtype=torch.long, device=device)
-    if dist.get_rank() == src:
-        flat.copy_(torch.cat([r.flatten().to(device) for r in results if r is not None]))
-    dist.broadcast(flat, src=src, group=group)
-    return [
-        part.view(int(b), int(length)).cpu() for part, (b, length) in zip(torch.split(flat, sizes), shapes.tolist())
-    ]
