@@ -145,6 +145,7 @@ class _Run:
         self.ctx = StepContext.capture(num_microbatches=groups, checkpoint_stop=0, training=False, seed=seed)
         self.caches = {(s, g): Cache() for s in executor.stages for g in range(groups)}
         self.trace = DecodeTrace()
+        self._bytes: dict[int, list[int]] = {}
         self.mailbox = Mailbox()
         self._lock = threading.Lock()
 
@@ -225,7 +226,9 @@ class _Run:
             self._record(w, action, start, end, s)
 
     def _record(self, w: int, action: Action, start: int, end: int, s: int) -> None:
-        size = sum(self.caches[(s, g)].nbytes for g in range(self.groups))
+        held = self._bytes.setdefault(s, [0] * self.groups)  # (per group, after its last step here)
+        held[action.microbatch % self.groups] = self.caches[(s, action.microbatch % self.groups)].nbytes
+        size = sum(held)
         with self._lock:
             self.trace.events.append((w, action, start, end))
             self.trace.cache_bytes[s] = max(self.trace.cache_bytes.get(s, 0), size)
