@@ -3,6 +3,7 @@ its parser (``gpipe COMMAND -h`` lists them).
 
 - ``gpipe train``: the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM (:mod:`gpipe.train`).
 - ``gpipe translate``: sentences through a checkpoint of ``gpipe train --data DIR`` (:mod:`gpipe.translate`).
+- ``gpipe generate``: prompts continued by a checkpoint of ``gpipe train --model hf`` (:mod:`gpipe.generate`).
 - ``gpipe export``: a checkpoint of ``gpipe train --model hf`` as a transformers model folder (:mod:`gpipe.export`).
 - ``gpipe bench``: the paper's tables on this machine, beside peers (:mod:`gpipe.bench`).
 - ``gpipe demo``: ``gpipe corpus`` then ``gpipe train`` on it, what ``make demo`` runs (:mod:`gpipe.demo`).
@@ -24,6 +25,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
     "translate": "translate sentences with a checkpoint of gpipe train --data DIR (see -h)",
+    "generate": "continue prompts with a checkpoint of gpipe train --model hf on text (see -h)",
     "export": "write a checkpoint of gpipe train --model hf as a transformers model folder (see -h)",
     "bench": "reproduce the paper's tables here, beside peers; a markdown report (see -h)",
     "schedule": "generate, validate and simulate a schedule; draw its timeline",
@@ -47,6 +49,8 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
         from gpipe.train import main
     elif name == "translate":
         from gpipe.translate import main
+    elif name == "generate":
+        from gpipe.generate import main
     elif name == "export":
         from gpipe.export import main
     elif name == "bench":

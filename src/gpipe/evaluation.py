@@ -10,8 +10,16 @@
   ``bleu`` over all pairs (each pair counts once, as in the paper's plots), ``bleu/high`` and
   ``bleu/low`` over the high- and low-resource halves (:func:`resource_groups`).
 
+- with ``cross_entropy`` (a causal LM's loss without label smoothing): ``eval_perplexity``, the
+  exponential of its token mean over the same held-out batches;
+- a causal LM's data (:class:`Prompted`) through a pipeline that generates (built from
+  :func:`gpipe.generation.traced.cached_layers`): ``sample``, a held-out prompt and its greedy
+  continuation of at most :data:`SAMPLE_TOKENS` tokens, as text (``prompt → continuation``): one
+  short generation, a few pipeline steps.
+
 Metric names are those of ``OUT/metrics.jsonl`` and TensorBoard: ``eval_loss``,
-``eval_loss/<pair>``, ``bleu``, ``bleu/<pair>``, ``bleu/high``, ``bleu/low``.
+``eval_loss/<pair>``, ``bleu``, ``bleu/<pair>``, ``bleu/high``, ``bleu/low``, ``eval_perplexity``,
+``sample`` (text).
 
 Under torch.distributed every rank of the pipeline calls it alike and gets the same numbers: the
 last stage's rank computes the losses and chooses the tokens, and shares them.
@@ -20,8 +28,8 @@ last stage's rank computes the losses and chooses the tokens, and shares them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -29,10 +37,32 @@ from torch import Tensor
 from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
 from gpipe.decode import Chunk, decode_batches
 from gpipe.pipeline import Pipeline
+from gpipe.schedule import min_groups
 
-__all__ = ["bleu", "evaluate", "resource_groups", "translate_held_out", "translation_chunk"]
+__all__ = [
+    "SAMPLE_TOKENS",
+    "Prompted",
+    "bleu",
+    "evaluate",
+    "resource_groups",
+    "sample",
+    "translate_held_out",
+    "translation_chunk",
+]
 
 Loss = Callable[..., Tensor]
+
+SAMPLE_TOKENS = 10
+"""The most new tokens of an evaluation's sample generation."""
+
+
+@runtime_checkable
+class Prompted(Protocol):
+    """A causal LM's data set, as an evaluation's sample needs it: a held-out prompt, and ids as text."""
+
+    def sample_prompt(self) -> list[int]: ...
+
+    def text(self, ids: Sequence[int]) -> str: ...
 
 
 def resource_groups(sizes: Mapping[str, int]) -> dict[str, str]:
@@ -91,21 +121,31 @@ def evaluate(
     batches: int = 4,
     beam: int = 1,
     length_penalty: float = 0.6,
-) -> dict[str, float]:
+    cross_entropy: Loss | None = None,
+) -> dict[str, float | str]:
     """The held-out metrics of ``pipe`` on ``data`` (see the module's docstring). ``loss_fn(logits,
-    target, reduction=...)``: the training loss; ``batch``: sentences or images per forward."""
+    target, reduction=...)``: the training loss; ``batch``: sentences or images per forward;
+    ``cross_entropy``: a causal LM's loss without label smoothing, alike (``eval_perplexity``)."""
     pipe.eval()
     try:
         if isinstance(data, TranslationDataset):
-            return _translation(pipe, data, loss_fn, batch=batch, beam=beam, length_penalty=length_penalty)
-        return _batches(pipe, data, loss_fn, batch=batch, batches=batches)
+            return {**_translation(pipe, data, loss_fn, batch=batch, beam=beam, length_penalty=length_penalty)}
+        result: dict[str, float | str] = {
+            **_batches(pipe, data, loss_fn, batch=batch, batches=batches, cross_entropy=cross_entropy)
+        }
+        if isinstance(data, Prompted) and pipe.generation is not None:
+            result["sample"] = sample(pipe, data)
+        return result
     finally:
         pipe.train()
 
 
-def _batches(pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batches: int) -> dict[str, float]:
+def _batches(
+    pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batches: int, cross_entropy: Loss | None
+) -> dict[str, float]:
     images = data.unit == "images"
     losses, correct = [], []
+    total, tokens = torch.zeros((), dtype=torch.float64), 0  # cross_entropy's sum and its tokens
     for i in range(batches):
         held = data.batch(batch, i, split="eval")
         logits = pipe(held.inputs)  # on the last stage's rank only, under torch.distributed
@@ -113,10 +153,38 @@ def _batches(pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batche
             losses.append(loss_fn(logits, held.target))
             if images:
                 correct.append((logits.argmax(-1) == held.target).float().mean())
+            if cross_entropy is not None:
+                total += cross_entropy(logits, held.target, reduction="sum").detach().double().cpu()
+                tokens += int((held.target != PAD).sum())
     result = {"eval_loss": float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))}
     if images:
         result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
+    if cross_entropy is not None:
+        mean = pipe.from_last_stage((total / max(tokens, 1)).float() if losses else None)  # (float32 on all ranks)
+        result["eval_perplexity"] = math.exp(float(mean))
     return result
+
+
+def sample(pipe: Pipeline, data: Prompted, *, max_new_tokens: int = SAMPLE_TOKENS) -> str:
+    """``data``'s held-out prompt and the pipeline's greedy continuation (up to its end-of-sequence
+    token, at most ``max_new_tokens`` and the model's positions), as ``"prompt → continuation"``.
+    The pipeline is in evaluation mode and built from ``cached_layers``; every rank calls it alike."""
+    generation = pipe.generation
+    if generation is None:
+        raise ValueError("the pipeline cannot generate: build it from gpipe.generation.cached_layers(model)")
+    prompt = data.sample_prompt()
+    most = generation.max_positions
+    new = max_new_tokens if most is None else min(max_new_tokens, most - len(prompt))
+    if new < 1:
+        return f"{data.text(prompt)} → (no positions left to generate)"
+    # (as many copies of the prompt as groups a placement needs in flight: one, or more where workers
+    # hold several stages, as on a V; every copy continues alike)
+    copies = min_groups(pipe.engine.placement.worker_of)
+    ids = pipe.generate(torch.tensor([prompt] * copies), max_new_tokens=new)[0, len(prompt) :].tolist()
+    eos = generation.eos_token_id
+    ends = {eos} if isinstance(eos, int) else set(eos or ())
+    cut = next((i for i, token in enumerate(ids) if token in ends), len(ids))
+    return f"{data.text(prompt)} → {data.text(ids[:cut])}"
 
 
 def _translation(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +34,7 @@ from gpipe.rng import derive_seed
 __all__ = [
     "CONFIG",
     "DEFAULT",
+    "SAMPLE_PROMPT",
     "CausalBatch",
     "CausalPairs",
     "TextLines",
@@ -41,10 +42,12 @@ __all__ = [
     "build",
     "check_config",
     "config_json",
+    "decode_text",
     "default_config",
     "layer_count",
     "load_config",
     "logits_loss",
+    "pipeline_layers",
     "read_lines",
     "text_data",
 ]
@@ -109,6 +112,22 @@ def default_config(vocab: int, positions: int, dropout: float, *, bos: int | Non
         bos_token_id=bos,
         eos_token_id=eos,
     )  # (no pad_token_id: padding comes after a sequence's last token, and a causal LM never sees it)
+
+
+def pipeline_layers(model: nn.Module, sample: Tensor) -> nn.Sequential:
+    """``model``'s pipeline layers: :func:`gpipe.generation.traced.cached_layers`' (which also
+    generate, with key/value caches in the stages), or, for a model it does not cover,
+    :func:`gpipe.to_sequential`'s on ``sample``, with the reason as ``cannot_generate``. Both are the
+    same layers, with the same names, computing the same forward: a checkpoint loads into either."""
+    from gpipe.generation.traced import cached_layers
+    from gpipe.sequential import to_sequential
+
+    try:
+        return cached_layers(model)
+    except ValueError as exc:
+        layers = to_sequential(model, sample)
+        layers.cannot_generate = str(exc)  # type: ignore[assignment]  # (a plain attribute, as cached_layers' generation)
+        return layers
 
 
 def layer_count(config: Any) -> int:
@@ -217,6 +236,12 @@ class _Pairs(Protocol):
 
     def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch: ...
 
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+SAMPLE_PROMPT = 8
+"""The most tokens of the held-out prompt an evaluation's sample continues (:meth:`TextLines.sample_prompt`)."""
+
 
 class CausalPairs:
     """Translation pairs as one sequence each, ``source + target_in``, predicting ``target_out``
@@ -247,6 +272,16 @@ class CausalPairs:
             torch.cat([torch.full_like(pair.source, PAD), pair.target_out], dim=1),
         )
 
+    def sample_prompt(self) -> list[int]:
+        """A held-out pair's source and the first token of its target (the language's tag): an
+        evaluation's sample continues it with the translation."""
+        pair = self.pairs.batch(1, 0, split="eval")
+        return [*pair.source[0].tolist(), int(pair.target_in[0, 0])]
+
+    def text(self, ids: Sequence[int]) -> str:
+        """``ids`` in the pairs' words (tags and padding read nothing; EOS ends them)."""
+        return self.pairs.detokenize(ids)
+
 
 def read_lines(path: str | os.PathLike[str]) -> list[str]:
     """The non-blank lines of the text file ``path``: its documents."""
@@ -271,6 +306,26 @@ class Tokenizer(Protocol):
     def eos(self) -> int | None: ...
 
     def encode_lines(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def decode_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text of ``ids`` read with ``tokenizer`` (special tokens read nothing). A model's vocabulary
+    may be larger than its tokenizer's (``--hf-config``'s ``vocab_size``): an id the tokenizer does
+    not have reads ``<id N>``, between the texts of the ids around it."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in [*ids, None]:
+        if i is not None and 0 <= i < tokenizer.size:
+            run.append(int(i))
+            continue
+        if run:
+            parts.append(tokenizer.decode(run))
+            run = []
+        if i is not None:
+            parts.append(f"<id {i}>")
+    return " ".join(part for part in parts if part)
 
 
 class TextLines:
@@ -328,6 +383,18 @@ class TextLines:
         rows = self.splits[split]
         picked = rows[torch.randint(0, len(rows), (size,), generator=g)]
         return CausalBatch(picked[:, :-1], picked[:, 1:])
+
+    def sample_prompt(self) -> list[int]:
+        """The first held-out document's first half (BOS and pieces), at most :data:`SAMPLE_PROMPT`
+        tokens and at least one: what an evaluation's sample continues."""
+        document = [i for i in self.splits["eval"][0].tolist() if i != PAD]
+        if self.eos is not None and document and document[-1] == self.eos:
+            document = document[:-1]
+        return document[: max(1, min(SAMPLE_PROMPT, len(document) // 2))]
+
+    def text(self, ids: Sequence[int]) -> str:
+        """``ids`` read with the tokenizer (:func:`decode_text`)."""
+        return decode_text(self.tokenizer, ids)
 
 
 def text_data(path: str, seed: int, tokenizer: Callable[[], Tokenizer]) -> CausalPairs | TextLines:

@@ -38,6 +38,7 @@ __all__ = [
     "exported",
     "from_sentencepiece",
     "load",
+    "of_checkpoint",
 ]
 
 VOCAB, TOKENIZER, TOKENIZER_CONFIG = "vocab.model", "tokenizer.json", "tokenizer_config.json"
@@ -99,6 +100,10 @@ class HFTokenizer:
     def encode_lines(self, texts: list[str]) -> list[list[int]]:
         """The ids of each text, without special tokens (the data adds bos and eos)."""
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, its special tokens left out."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _special_tokens(config: Path) -> dict[str, str]:
@@ -204,6 +209,16 @@ def from_sentencepiece(path: str | os.PathLike[str], *, checks: int = 500) -> An
                 f"the tokenizer converted from {str(path)!r} reads {text!r} as {ours}, SentencePiece as {theirs}"
             )
     return fast
+
+
+def of_checkpoint(folder: Path) -> Vocab | HFTokenizer | None:
+    """The tokenizer a run read its text with, from the copy its checkpoint ``folder`` keeps (None:
+    the run read token ids). ``gpipe generate`` encodes prompts with it as training encoded text."""
+    if (folder / VOCAB).is_file():
+        return load(folder / VOCAB, flag="the checkpoint's")
+    if (folder / TOKENIZER).is_file():
+        return HFTokenizer(folder / TOKENIZER, flag="the checkpoint's")
+    return None
 
 
 def exported(folder: Path) -> tuple[Any, str]:

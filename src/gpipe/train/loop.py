@@ -113,8 +113,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
     ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
     loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
+    cross_entropy: Any = None  # --model hf: without label smoothing, for the held-out perplexity
     if cfg.model == "hf":  # its last layer returns the model's ModelOutput
         loss_fn = functools.partial(hf.logits_loss, loss_fn)
+        plain = functools.partial(label_smoothing_loss, smoothing=0.0, ignore_index=PAD)
+        cross_entropy = functools.partial(hf.logits_loss, plain)
+        cannot = getattr(model, "cannot_generate", None)
+        if cannot is not None and process_rank() == 0:
+            print(f"note: evaluations show no sample generation: {cannot}", file=sys.stderr)
     sample = data.batch(cfg.batch, 0, split="eval").inputs
     pipe = Pipeline(
         model,
@@ -180,6 +186,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                             batches=cfg.eval_batches,
                             beam=cfg.beam,
                             length_penalty=cfg.length_penalty,
+                            cross_entropy=cross_entropy,
                         )
                     )
                     shown = eval_postfix(last)
@@ -188,7 +195,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                         f.write(json.dumps(last) + "\n")
                 if board is not None:
                     for name, value in last.items():
-                        if name != "step":
+                        if isinstance(value, str):
+                            board.add_text(name, value, step)
+                        elif name != "step":
                             board.add_scalar(name, value, step)
                 if bar is not None:
                     speed = {f"{data.unit}/s": f"{last[rate]:.0f}"}  # tokens/s or images/s
@@ -217,11 +226,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         nan = float("nan")
         accuracy = f", eval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
         bleu = f", BLEU {last['bleu']:.1f}" if "bleu" in last else ""
+        perplexity = f", eval perplexity {last['eval_perplexity']:.2f}" if "eval_perplexity" in last else ""
         print(
             f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f}{accuracy}"
-            f"{bleu} ({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curves in "
+            f"{bleu}{perplexity} ({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curves in "
             f"{out / 'loss.png'}"
         )
+        if "sample" in last:
+            print(f"sample: {last['sample']}")
         if isinstance(data, TranslationDataset) and "bleu" in last:
             print(bleu_table(last, data.pair_sizes))
     return {**last, "baseline": baseline}

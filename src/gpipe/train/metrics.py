@@ -33,14 +33,24 @@ def progress_bar(cfg: TrainConfig, start: int) -> Any:
     return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
 
 
+SAMPLE_SHOWN = 60
+"""The most characters of an evaluation's sample the progress bar shows."""
+
+
 def eval_postfix(metrics: dict[str, Any]) -> dict[str, str]:
     """An evaluation's metrics as the progress bar shows them until the next: the eval loss, and the
-    accuracy (images) or the mean BLEU (translation)."""
+    accuracy (images), the mean BLEU (translation), or the perplexity and the sample (a causal LM;
+    the sample's start, quoted)."""
     shown = {"eval_loss": f"{metrics['eval_loss']:.3f}"}
     if "eval_accuracy" in metrics:
         shown["accuracy"] = f"{metrics['eval_accuracy']:.3f}"
     if "bleu" in metrics:
         shown["bleu"] = f"{metrics['bleu']:.1f}"
+    if "eval_perplexity" in metrics:
+        shown["eval_perplexity"] = f"{metrics['eval_perplexity']:.2f}"
+    if "sample" in metrics:
+        text = str(metrics["sample"])
+        shown["sample"] = repr(text if len(text) <= SAMPLE_SHOWN else text[: SAMPLE_SHOWN - 3] + "...")
     return shown
 
 

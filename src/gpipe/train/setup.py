@@ -26,7 +26,6 @@ from gpipe.data import (
 from gpipe.data.vocab import Vocab, VocabSizeError, read_pairs, train_text_vocab, train_vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, tokenizer, transformer
 from gpipe.recipe import adafactor, rmsprop
-from gpipe.sequential import to_sequential
 from gpipe.train.config import ConfigError, TrainConfig
 
 __all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
@@ -204,11 +203,16 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
 def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     """The Hugging Face model as pipeline layers, on the meta device like the built-in models: each
     process materializes its own stages' layers, initialized by the model's ``_init_weights``
-    seeded per layer from ``--seed``, alike in every process and for every partition count."""
+    seeded per layer from ``--seed``, alike in every process and for every partition count.
+
+    The layers are :func:`~gpipe.generation.traced.cached_layers`' where the model is one it covers:
+    they train as :func:`~gpipe.to_sequential`'s do (the same layers, names and forward), and the
+    pipeline can also generate (the evaluation's sample, ``gpipe generate``); else
+    ``to_sequential``'s, and the run has no sample."""
     config = hf_config(cfg, data)
     where = f"--hf-config {cfg.hf_config!r}" if cfg.hf_config else "the built-in GPT-2"
     try:
         model = hf.build(config)
     except ValueError as exc:  # a setting from_config refuses, or a model that is not causal
         raise ConfigError(f"{where}: {exc}") from exc
-    return to_sequential(model, data.batch(2, 0, split="eval").inputs)
+    return hf.pipeline_layers(model, data.batch(2, 0, split="eval").inputs)
