@@ -129,6 +129,10 @@ def test_a_v_shaped_pipeline_decodes_with_its_first_and_last_stage_on_one_worker
     )
     with pytest.raises(ValueError, match="groups"):
         greedy(pipe, source, start, max_len=8, groups=2)  # 4 stages: 2 groups would deadlock on worker 0
+    # one sentence: the placement's 3 groups in flight all the same, two of them empty
+    assert torch.equal(
+        greedy(pipe, source[:1], start[:1], max_len=8), greedy(model, source[:1], start[:1], max_len=8, cache=False)
+    )
 
 
 def test_a_stream_of_batches_refills_the_groups() -> None:

@@ -64,6 +64,16 @@ def test_seeded_sampling_is_the_same_whatever_the_stages_and_groups(name: str) -
     assert not torch.equal(other, results[0])  # (another seed draws other tokens)
 
 
+def test_one_prompt_on_a_v_shaped_pipeline() -> None:
+    """A V placement needs 3 groups in flight (stages 0 and 3 share worker 0): one prompt goes with
+    two empty groups."""
+    model, layers = built("gpt2")
+    n = len(layers)
+    pipe = Pipeline(copy.deepcopy(layers), [1, 1, 1, n - 3], chunks=1, devices=["cpu"] * 2, schedule="zb-v", virtual=2)
+    ids, mask = prompts((5,))
+    assert torch.equal(pipe.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW), hf(model, ids, mask))
+
+
 def test_unseeded_sampling_in_one_group_is_generates() -> None:
     model, pipe = pipeline("gpt2", 2)
     ids, mask = prompts((6, 3, 5))
@@ -84,7 +94,8 @@ def test_bad_requests_are_refused_in_one_line() -> None:
         ),
         ({"max_new_tokens": 4, "num_beams": 101}, r"num_beams 101 exceeds the vocabulary of 100 tokens"),
         ({"max_new_tokens": 4, "do_sample": True, "temperature": 0.0}, r"temperature must be > 0"),
-        ({"max_new_tokens": 4, "do_sample": True, "top_p": 1.5}, r"top_p must be in \[0, 1\]"),
+        ({"max_new_tokens": 4, "do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"max_new_tokens": 4, "do_sample": True, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"max_new_tokens": 4, "do_sample": True, "top_k": -1}, r"top_k must be a non-negative int"),
         ({"max_new_tokens": 4, "groups": 0}, r"groups must be an integer >= 1 \(groups: 0\)"),
     ]

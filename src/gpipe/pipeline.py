@@ -27,6 +27,7 @@ from gpipe.runtime.decoding import DecodeTrace, Feed, Streams, decode
 from gpipe.runtime.partition import Layers, as_balance, check_chunks
 from gpipe.runtime.planner import AutoSchedule
 from gpipe.runtime.trace import StepTrace
+from gpipe.schedule.decode import min_groups
 from gpipe.schedule.generate import SCHEDULES
 from gpipe.schedule.ir import Schedule
 from gpipe.sequential import as_layers
@@ -256,7 +257,8 @@ class Pipeline(nn.Module):
                 device = self.engine.devices[0]
         rows = input_ids.size(0) if isinstance(input_ids, Tensor) and input_ids.dim() else 1
         share = share_from(src, group, device)
-        groups = min(groups or placement.num_stages, max(1, rows))
+        if groups is None:  # one per stage, fewer for fewer prompts, but never fewer than the placement needs
+            groups = max(min(placement.num_stages, rows), min_groups(placement.worker_of))
         return generate(self.decode, self.generation, input_ids, attention_mask, settings, groups=groups, share=share)
 
     def decode(self, feed: Feed) -> DecodeTrace:

@@ -35,6 +35,7 @@ from gpipe.decode import uncached
 from gpipe.decode.cached import Chunk, caches_supported, run
 from gpipe.decode.uncached import Model
 from gpipe.pipeline import Pipeline
+from gpipe.schedule.decode import min_groups
 
 __all__ = ["Chunk", "beam_search", "decode_batches", "greedy"]
 
@@ -100,10 +101,15 @@ def _check_beam(beam: int, length_penalty: float) -> None:
         raise ValueError(f"length_penalty must be a number >= 0 (length_penalty: {length_penalty!r})")
 
 
-def _groups(model: Model, groups: int | None) -> int:
+def _groups(model: Model, groups: int | None, sentences: int | None = None) -> int:
+    """``groups``, or one per stage (fewer for fewer sentences, never fewer than the placement needs)."""
     if groups is not None:
         return _check_int("groups", groups, 1)
-    return model.engine.placement.num_stages if isinstance(model, Pipeline) else 1
+    if not isinstance(model, Pipeline):
+        return 1
+    placement = model.engine.placement
+    stages = placement.num_stages if sentences is None else min(placement.num_stages, sentences)
+    return max(stages, min_groups(placement.worker_of))
 
 
 def _padded(parts: Sequence[Tensor], pad: int, device: torch.device) -> Tensor:
@@ -143,8 +149,9 @@ def greedy(
     _check_inputs(source, start, max_len, eos, pad)
     if cached is None:
         return uncached.greedy(model, source, start, max_len=max_len, eos=eos, pad=pad)
-    chunks = _split(source, start, max_len, _groups(model, groups))
-    parts, _ = run(cached, chunks, groups=len(chunks), beam=1, length_penalty=0.0, eos=eos, pad=pad)
+    count = _groups(model, groups, source.size(0))
+    chunks = _split(source, start, max_len, count)
+    parts, _ = run(cached, chunks, groups=count, beam=1, length_penalty=0.0, eos=eos, pad=pad)
     return _padded(parts, pad, source.device)
 
 
@@ -179,10 +186,9 @@ def beam_search(
         return uncached.beam_search(
             model, source, start, beam=beam, max_len=max_len, length_penalty=length_penalty, eos=eos, pad=pad
         )
-    chunks = _split(source, start, max_len, _groups(model, groups))
-    parts, _ = run(
-        cached, chunks, groups=len(chunks), beam=beam, length_penalty=float(length_penalty), eos=eos, pad=pad
-    )
+    count = _groups(model, groups, source.size(0))
+    chunks = _split(source, start, max_len, count)
+    parts, _ = run(cached, chunks, groups=count, beam=beam, length_penalty=float(length_penalty), eos=eos, pad=pad)
     return _padded(parts, pad, source.device)
 
 
@@ -234,7 +240,7 @@ def decode_batches(
     parts, _ = run(
         cached,
         batches,
-        groups=_groups(model, groups),
+        groups=_groups(model, groups, len(batches)),
         beam=beam,
         length_penalty=float(length_penalty),
         eos=eos,

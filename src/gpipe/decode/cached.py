@@ -132,9 +132,9 @@ class _Feed:
     ) -> None:
         self.chunks, self.beam, self.alpha, self.eos, self.pad = chunks, beam, alpha, eos, pad
         self.on_chunk = on_chunk
-        self._groups = min(groups, len(chunks))
-        self.chunk_of = list(range(self._groups))  # the chunk each group decodes (where the last stage runs)
-        self.waiting = self._groups  # the next chunk to start
+        self._groups = groups  # (groups beyond the chunks stay empty: a placement may need more in flight)
+        self.chunk_of = list(range(groups))  # the chunk each group decodes (where the last stage runs)
+        self.waiting = min(groups, len(chunks))  # the next chunk to start
         self.states: dict[int, _Greedy | _Beam] = {}
         self.results: list[Tensor | None] = [None] * len(chunks)
 
@@ -145,8 +145,8 @@ class _Feed:
     def _prompt(self, c: int) -> tuple[Tensor, Tensor]:
         return self.chunks[c].source, self.chunks[c].start.unsqueeze(1)
 
-    def start(self, group: int) -> tuple[Tensor, Tensor]:
-        return self._prompt(group)
+    def start(self, group: int) -> tuple[Tensor, Tensor] | None:
+        return self._prompt(group) if group < len(self.chunks) else None
 
     def next(self, group: int, output: object) -> Next:
         if not isinstance(output, Tensor) or output.dim() != 3:

@@ -84,6 +84,12 @@ def _check(model: Generation, ids: Tensor, mask: Tensor, s: Settings) -> None:
         raise ValueError(f"num_beams must be an integer >= 1 (num_beams: {s.num_beams!r})")
     if s.num_beams > model.vocab_size:
         raise ValueError(f"num_beams {s.num_beams} exceeds the vocabulary of {model.vocab_size} tokens")
+    if not (isinstance(s.temperature, int | float) and s.temperature > 0):
+        raise ValueError(f"temperature must be > 0 (temperature: {s.temperature!r})")
+    if not (isinstance(s.top_p, int | float) and 0 < s.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (top_p: {s.top_p!r}); 1 keeps every token")
+    if s.top_k is not None and (isinstance(s.top_k, bool) or not isinstance(s.top_k, int) or s.top_k < 0):
+        raise ValueError(f"top_k must be a non-negative int or None (top_k: {s.top_k!r}); 0 or None keeps every token")
     if s.do_sample and s.num_beams > 1:
         raise ValueError("beam sampling (do_sample with num_beams > 1) is not supported: choose one of them")
     if s.seed is not None and (isinstance(s.seed, bool) or not isinstance(s.seed, int)):
@@ -96,7 +102,8 @@ class _Feed:
     """Groups of prompts through the stages; each group's policy where the last stage runs."""
 
     def __init__(self, ids: Tensor, mask: Tensor, groups: int, make: Callable[[Tensor, int], Policy]) -> None:
-        self.rows = [r for r in torch.arange(ids.size(0)).tensor_split(groups) if r.numel()]
+        # (groups beyond the prompts stay empty: a placement may need more groups in flight than prompts)
+        self.rows = list(torch.arange(ids.size(0)).tensor_split(groups))
         self.ids, self.mask, self.make = ids, mask, make
         self.policies: dict[int, Policy] = {}
         self.sequences: list[Tensor | None] = [None] * len(self.rows)
@@ -112,7 +119,9 @@ class _Feed:
             found = self.policies[group] = self.make(self.ids[rows], int(rows[0]))
         return found
 
-    def start(self, group: int) -> dict[str, Tensor]:
+    def start(self, group: int) -> dict[str, Tensor] | None:
+        if self.rows[group].numel() == 0:
+            return None
         rows = self.rows[group][self._policy(group).start_rows.cpu()]
         return {"input_ids": self.ids[rows], "attention_mask": self.mask[rows]}
 
