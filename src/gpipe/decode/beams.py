@@ -51,8 +51,12 @@ class Beams:
         step = self.hyps.size(2)  # tokens so far; this step makes hypotheses of step + 1
         total = self.scores.unsqueeze(2) + log_probs.view(batch, beam, vocab)
         k = min(2 * beam, beam * vocab)  # at most `beam` of them end in eos: `beam` go on
-        top, index = total.view(batch, beam * vocab).sort(dim=1, descending=True, stable=True)
-        top, index = top[:, :k], index[:, :k]
+        # the k best (a top-k, not a sort of all beam x vocab scores), equals in the order of their index
+        top, index = total.view(batch, beam * vocab).topk(k, dim=1)
+        order = index.argsort(dim=1, stable=True)
+        top, index = top.gather(1, order), index.gather(1, order)
+        order = top.argsort(dim=1, descending=True, stable=True)
+        top, index = top.gather(1, order), index.gather(1, order)
         origin, token = index // vocab, index % vocab
         ended = token == self.eos
         grown = torch.cat([self.hyps.gather(1, origin.unsqueeze(2).expand(-1, -1, step)), token.unsqueeze(2)], 2)
