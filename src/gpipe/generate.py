@@ -51,7 +51,7 @@ from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.distributed import init_from_env
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, load
-from gpipe.translate import _input, _mib, _write, find_checkpoint
+from gpipe.translate import _input, _mib, _write, add_stage_flags, find_checkpoint
 
 __all__ = ["Generator", "Options", "main"]
 
@@ -316,16 +316,7 @@ def _parser() -> ArgumentParser:
     )
     parser.add_argument("--seed", type=int, help="--sample: each prompt's own random stream (default: unseeded)")
     parser.add_argument("--batch", type=int, default=16, help="prompts per group (default: 16)")
-    parser.add_argument(
-        "--partitions", type=int, default=None, help="pipeline stages (default: 1; under torchrun, the world size)"
-    )
-    parser.add_argument(
-        "--groups",
-        type=int,
-        default=None,
-        help="groups of prompts in flight, each on another stage (default: one per stage)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress report on standard error")
+    add_stage_flags(parser, "groups of prompts in flight")
     return parser
 
 

@@ -219,17 +219,20 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--beam", type=int, default=4, help="beam size; 1: greedy (default: 4)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha of the length penalty (default: 0.6)")
     parser.add_argument("--batch", type=int, default=32, help="sentences decoded together (default: 32)")
+    add_stage_flags(parser, "batches decoded at once")
+    return parser
+
+
+def add_stage_flags(parser: ArgumentParser, groups: str) -> None:
+    """The flags of a decoding command's pipeline: --partitions, --groups (``groups`` says what a
+    group is), --quiet."""
     parser.add_argument(
         "--partitions", type=int, default=None, help="pipeline stages (default: 1; under torchrun, the world size)"
     )
     parser.add_argument(
-        "--groups",
-        type=int,
-        default=None,
-        help="batches decoded at once, each on another stage (default: one per stage of the pipeline)",
+        "--groups", type=int, default=None, help=f"{groups}, each on another stage (default: one per stage)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress report on standard error")
-    return parser
 
 
 @contextlib.contextmanager
