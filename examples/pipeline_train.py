@@ -3,6 +3,7 @@
     python examples/pipeline_train.py                          # 2 stages on 2 'cpu' devices, one process
     torchrun --nproc-per-node 2 examples/pipeline_train.py     # one process per stage (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2   # 2 replicas x 2 stages
+    torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2 --fsdp   # ... each stage sharded over 2
 
 Every process runs the same code: it builds the model on the meta device (each process materializes
 only its own stages), calls ``pipe.step(x, y)`` with the same global mini-batch, and gets the
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true", help="shard each stage over its data-parallel replicas")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -40,6 +42,7 @@ def main() -> None:
         schedule=args.schedule,
         loss_fn=F.mse_loss,
         data_parallel=args.data_parallel,
+        fsdp=args.fsdp,
     )
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     torch.manual_seed(0)

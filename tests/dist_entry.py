@@ -1,7 +1,9 @@
-"""Entry point of one rank for tests/dist_harness.py: python -m tests.dist_entry CASE OUT KWARGS."""
+"""Entry point of one rank for tests/dist_harness.py: python -m tests.dist_entry CASE OUT KWARGS
+(CASE: a function of tests/dist_cases.py, or 'module:function' of another module of tests/)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -14,7 +16,9 @@ from tests import dist_cases
 def main() -> None:
     case, out, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     torch.set_num_threads(1)
-    result = getattr(dist_cases, case)(**kwargs)
+    module, _, name = case.rpartition(":")
+    where = importlib.import_module(f"tests.{module}") if module else dist_cases
+    result = getattr(where, name)(**kwargs)
     torch.save(result, out)
     if dist.is_initialized():
         dist.destroy_process_group()

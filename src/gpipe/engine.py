@@ -23,7 +23,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from gpipe.distributed import ChannelTransport, Collectives, RankCollectives, collective, start_heartbeat, tie_name
+from gpipe.distributed import (
+    ChannelTransport,
+    Collectives,
+    RankCollectives,
+    StageSharding,
+    collective,
+    start_heartbeat,
+    tie_name,
+)
 from gpipe.runtime.context import LossFn
 from gpipe.runtime.executor import Executor
 from gpipe.runtime.partition import Layers, auto_balance, check_balance, partition, resolve_devices
@@ -51,6 +59,8 @@ class Engine:
     ties: list[Tie]
     comm: Collectives
     planner: Planner
+    sharding: StageSharding | None = None
+    """This process's stages sharded over their data-parallel group (``fsdp=True``), else None."""
 
     @property
     def stages(self) -> list[Stage]:
@@ -66,11 +76,13 @@ def placement_of(schedule: str | AutoSchedule, workers: int, chunks: int, virtua
     return make_schedule(schedule, workers, chunks, virtual).placement
 
 
-def planner_of(schedule: str | AutoSchedule, placement: Placement, virtual: int, comm: Collectives) -> Planner:
+def planner_of(
+    schedule: str | AutoSchedule, placement: Placement, virtual: int, comm: Collectives, *, sharded: bool = False
+) -> Planner:
     if isinstance(schedule, str) and schedule != "auto":
-        return FixedPlanner(schedule, placement.num_workers, virtual)
+        return FixedPlanner(schedule, placement.num_workers, virtual, sharded=sharded)
     options = schedule if isinstance(schedule, AutoSchedule) else AutoSchedule()
-    return AutoPlanner(placement.num_workers, placement.worker_of, options, comm.gather, comm.dp_rank)
+    return AutoPlanner(placement.num_workers, placement.worker_of, options, comm.gather, comm.dp_rank, sharded=sharded)
 
 
 def build(
@@ -86,6 +98,7 @@ def build(
     deferred_batch_norm: bool = False,
     timeout: float = 60.0,
     data_parallel: int = 1,
+    fsdp: bool = False,
     init_seed: int = 0,
     sample: Any = None,
     tied: Sequence[Sequence[str]] = (),
@@ -98,7 +111,7 @@ def build(
     if distributed:
         return _build_ranks(
             module, balance, schedule=schedule, chunks=chunks, loss_fn=loss_fn, devices=devices, virtual=virtual,
-            deferred_batch_norm=deferred_batch_norm, timeout=timeout, data_parallel=data_parallel,
+            deferred_batch_norm=deferred_batch_norm, timeout=timeout, data_parallel=data_parallel, fsdp=fsdp,
             init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn,
         )  # fmt: skip
     if balance == "auto":
@@ -175,12 +188,14 @@ def _build_ranks(
     deferred_batch_norm: bool,
     timeout: float,
     data_parallel: int,
+    fsdp: bool,
     init_seed: int,
     sample: Any,
     tied: Sequence[Sequence[str]],
     init_fn: Callable[[nn.Module], None] | None,
 ) -> Engine:
-    """One rank of K (x data_parallel): this rank's stages on its device, the others on 'meta'."""
+    """One rank of K (x data_parallel): this rank's stages on its device, the others on 'meta'
+    (``fsdp``: sharded over the data-parallel group)."""
     world, me, dp = dist.get_world_size(), dist.get_rank(), data_parallel
     if world % dp:
         raise ValueError(f"the world size is not a multiple of data_parallel (world: {world}, data_parallel: {dp})")
@@ -220,15 +235,18 @@ def _build_ranks(
         transport = ChannelTransport(placement, device, timeout=timeout)
     ties = _rank_ties(partitions, balance, tied, placement, timeout)
     comm = RankCollectives(placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp)
+    local = {s: partitions[s] for s in placement.local_stages}
+    sharding = StageSharding(local, mesh["dp"]) if fsdp else None  # after the ties' values agree
     return Engine(
         placement,
-        Executor(stages, placement, transport=transport),
-        {s: partitions[s] for s in placement.local_stages},
+        Executor(stages, placement, transport=transport, stage_wide=sharding.run if sharding else None),
+        local,
         balance,
         [device],
         ties,
         comm,
-        planner_of(schedule, placement, virtual, comm),
+        planner_of(schedule, placement, virtual, comm, sharded=fsdp),
+        sharding,
     )
 
 

@@ -67,6 +67,12 @@ class Pipeline(nn.Module):
             fails naming the rank that does not answer (one that dies or raises is named at once).
         data_parallel: under torch.distributed, replicas of the pipeline (world = data_parallel x K,
             a DeviceMesh ("dp", "pp")); each trains on its share of the global mini-batch.
+        fsdp: shard each stage's parameters, gradients and optimizer state over its data-parallel
+            group (torch's ``fully_shard``) instead of replicating them: the parameters are
+            gathered once per step before the stage's first action and the gradients
+            reduce-scattered once after its last backward, as actions of the schedule
+            (:func:`gpipe.schedule.ir.sharded`). Needs ``data_parallel`` >= 2; the parameters
+            are then ``DTensor`` shards (build the optimizer from ``pipe.parameters()``).
         init_seed: the seed layers built here (factories, the meta device) are initialized from.
         sample: a mini-batch of inputs: to trace a module that is not an ``nn.Sequential`` (on its
             first micro-batch, what the first layer gets), and to time the layers for ``balance='auto'``.
@@ -92,6 +98,7 @@ class Pipeline(nn.Module):
         measure_memory: bool = False,
         timeout: float = 60.0,
         data_parallel: int = 1,
+        fsdp: bool = False,
         init_seed: int = 0,
         sample: Any = None,
         tied: Sequence[Sequence[str]] = (),
@@ -115,6 +122,13 @@ class Pipeline(nn.Module):
                 f"data_parallel={data_parallel} needs torch.distributed (run under torchrun with "
                 f"data_parallel x stages processes)"
             )
+        if not isinstance(fsdp, bool):
+            raise TypeError(f"fsdp must be True or False (fsdp: {fsdp!r})")
+        if fsdp and data_parallel < 2:
+            raise ValueError(
+                f"fsdp=True shards each stage over its data-parallel replicas, but data_parallel={data_parallel}: "
+                "give data_parallel >= 2 (world = data_parallel x stages under torchrun)"
+            )
         self.loss_count, self.virtual = loss_count, virtual
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
         # What the layers say about generating (gpipe.generation.cached_layers's), for generate.
@@ -125,13 +139,13 @@ class Pipeline(nn.Module):
             as_layers(module, sample, self.chunks * data_parallel), as_balance(balance), schedule=schedule,
             chunks=self.chunks, loss_fn=loss_fn,
             devices=devices, virtual=virtual, cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm,
-            timeout=timeout, data_parallel=data_parallel, init_seed=init_seed, sample=sample, tied=tied,
-            init_fn=init_fn, distributed=distributed,
+            timeout=timeout, data_parallel=data_parallel, fsdp=fsdp, init_seed=init_seed, sample=sample,
+            tied=tied, init_fn=init_fn, distributed=distributed,
         )  # fmt: skip
         self.partitions = nn.ModuleDict({str(s): p for s, p in self.engine.partitions.items()})
         self.schedule = self.engine.planner.name
         self.balance, self.devices = self.engine.balance, self.engine.devices
-        self.distributed, self.data_parallel = distributed, data_parallel
+        self.distributed, self.data_parallel, self.fsdp = distributed, data_parallel, fsdp
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
@@ -184,7 +198,8 @@ class Pipeline(nn.Module):
             run, losses = engine.executor.step(schedule, batches, ctx, measure_memory=meter)
         engine.planner.observe(len(batches), schedule, run.trace, run.meter)
         comm.sync_ties(engine.ties)
-        comm.reduce_gradients([p.grad for p in self.parameters() if p.grad is not None])
+        if not self.fsdp:  # sharded stages reduce-scattered theirs in the schedule's G actions
+            comm.reduce_gradients([p.grad for p in self.parameters() if p.grad is not None])
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)

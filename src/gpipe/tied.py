@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Tie", "layer_at", "local_ties", "names", "shared", "untie", "with_shared"]
 
@@ -101,8 +102,8 @@ class Tie:
         for p in self.local:
             if p.grad is not None:
                 total += p.grad.to(first.device)
-        if self.group is not None:
-            dist.all_reduce(total, group=self.group)
+        if self.group is not None:  # sharded copies (fsdp): the same shard of each, summed
+            dist.all_reduce(total.to_local() if isinstance(total, DTensor) else total, group=self.group)
         for p in self.local:
             if p.grad is None:
                 p.grad = total.to(p.device)

@@ -14,6 +14,11 @@ why (every candidate's step time, peak memory and whether it fits the cap), and 
 prints a decode's timeline (forwards only, ``--groups`` groups of sequences in flight, each step's
 input chosen by the group's step before it; see :mod:`gpipe.schedule.decode`): its bubble over
 ``--steps`` steps and in steady state, and its throughput against one worker running every stage.
+
+``--fsdp`` (with any of the three) shards the stages: the schedule gains each stage's all-gather of its
+parameters (U), reduce-scatter of its gradients (G) and free (R), once per step
+(:func:`gpipe.schedule.sharded`), which the timeline shows and ``--costs U=...,G=...,R=...`` times
+(default 0); the collectives each worker runs per step are counted.
 """
 
 from __future__ import annotations
@@ -33,27 +38,32 @@ from gpipe.schedule import (
     make_schedule,
     plan,
     render_timeline,
+    sharded,
     simulate,
 )
-from gpipe.schedule.ir import round_robin
+from gpipe.schedule.ir import STAGE_WIDE, Action, round_robin
 from gpipe.schedule.render import check_timeline_path
+from gpipe.schedule.simulate import Simulation
 
 __all__ = ["main"]
+
+_SHARDED = ", sharded (FSDP)"
 
 
 def _costs(text: str) -> dict[str, float]:
     costs = {}
     for item in filter(None, text.split(",")):
         kind, _, value = item.partition("=")
-        if kind not in ("F", "B", "I", "W", "transfer", "jitter") or not value:
+        if kind not in ("F", "B", "I", "W", "U", "G", "R", "transfer", "jitter") or not value:
             raise argparse.ArgumentTypeError(
-                f"expected KIND=COST with KIND one of F, B, I, W, or transfer=TIME, jitter=CV (got {item!r})"
+                f"expected KIND=COST with KIND one of F, B, I, W, or transfer=TIME, jitter=CV, "
+                f"or U, G, R with --fsdp (got {item!r})"
             )
         try:
             costs[kind] = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"cost of {kind} is not a number (got {value!r})") from None
-        if kind in ("transfer", "jitter"):
+        if kind in ("transfer", "jitter", "U", "G", "R"):
             if not costs[kind] >= 0 or not math.isfinite(costs[kind]):
                 raise argparse.ArgumentTypeError(f"{kind} must be finite and >= 0 (got {value})")
         elif not costs[kind] > 0 or not math.isfinite(costs[kind]):
@@ -108,12 +118,21 @@ def _parser() -> ArgumentParser:
     )
     s.add_argument("--groups", type=int, help="with --decode: G, groups in flight (default: one per stage)")
     s.add_argument("--steps", type=int, help="with --decode: T, steps (tokens) of every group (default: 4)")
+    s.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the stages (FSDP): each stage's all-gather (U), reduce-scatter (G) and free (R) once per "
+        "step, shown in the timeline and counted per worker",
+    )
     s.add_argument("--out", help="write the timeline picture here (.png, .svg, .pdf, ...)")
     return s
 
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad flags before any work starts."""
+    wide = [k for k in ("U", "G", "R") if k in args.costs]
+    if wide and not args.fsdp:
+        raise UsageError(f"--costs {wide[0]}=... times a sharded stage's collectives: add --fsdp, or drop it")
     if args.decode:
         training = {
             "--schedule": args.schedule is not None,
@@ -178,22 +197,36 @@ def _fixed(args: argparse.Namespace) -> int:
         sched = make_schedule(args.schedule, args.stages, args.chunks, args.virtual)
     except ValueError as exc:
         return refuse(exc)
+    if args.fsdp:
+        sched = sharded(sched)
     sim = simulate(sched, kind_cost(**costs), transfer=transfer)
-    shown = ", ".join(f"{k}={v:g}" for k, v in {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **costs}.items())
+    wide = {"U": 0.0, "G": 0.0, "R": 0.0} if args.fsdp else {}
+    shown = ", ".join(f"{k}={v:g}" for k, v in {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **wide, **costs}.items())
     if transfer:
         shown += f", transfer={transfer:g}"
     print(
         f"schedule {sched.name!r}: K={sched.num_workers} workers, M={sched.num_microbatches} micro-batches, "
-        f"{sched.num_stages} stages; costs {shown}"
+        f"{sched.num_stages} stages{_SHARDED if args.fsdp else ''}; costs {shown}"
     )
     print(f"makespan {sim.makespan:g}, bubble {sim.bubble:.4f} ({sim.bubble:.1%})")
     print("idle per worker: " + ", ".join(f"{i:g}" for i in sim.idle))
     print("peak in-flight activations per worker: " + ", ".join(map(str, sim.peak_in_flight)))
+    if args.fsdp:
+        print(_collectives(sim))
     if _printable(sim.makespan, args.costs.values()):
         print(sim.text())
     if args.out:
         print(f"wrote {render_timeline(sim, args.out)}")
     return 0
+
+
+def _collectives(sim: Simulation) -> str:
+    """The per-worker count of a sharded step's collectives, one line."""
+    gathers, scatters = zip(*sim.collectives)
+    return (
+        f"collectives per step, per worker: all-gathers (U) {', '.join(map(str, gathers))}; "
+        f"reduce-scatters (G) {', '.join(map(str, scatters))}"
+    )
 
 
 def _auto(args: argparse.Namespace) -> int:
@@ -218,12 +251,22 @@ def _auto(args: argparse.Namespace) -> int:
         return refuse(exc)
     sim = result.simulation
     print(
-        f"schedule 'auto': K={args.stages} workers, M={args.chunks} micro-batches, {stages} stages; "
-        "the fastest candidate under these costs that fits the memory cap"
+        f"schedule 'auto': K={args.stages} workers, M={args.chunks} micro-batches, {stages} stages"
+        f"{_SHARDED if args.fsdp else ''}; the fastest candidate under these costs that fits the memory cap"
     )
     print(result.explain())
+    if args.fsdp:  # the plan is made unsharded; its schedule sharded, U, G and R timed as given (default 0)
+        wide = {k: given.get(k, 0.0) for k in ("U", "G", "R")}
+
+        def cost(a: Action) -> float:
+            return wide[a.kind.value] if a.kind in STAGE_WIDE else costs.cost(a)
+
+        sim = simulate(sharded(result.schedule), cost, transfer=costs.transfer)
+        print(f"sharded: makespan {sim.makespan:g}, bubble {sim.bubble:.4f} ({sim.bubble:.1%})")
+        print(_collectives(sim))
     print("idle per worker: " + ", ".join(f"{i:g}" for i in sim.idle))
     all_costs = (*costs.forward, *costs.input, *costs.weight, *costs.fused, costs.transfer)
+    all_costs += tuple(given.get(k, 0.0) for k in ("U", "G", "R"))
     if _printable(sim.makespan, all_costs):
         print(sim.text())
     if args.out:
@@ -243,11 +286,14 @@ def _decode(args: argparse.Namespace) -> int:
         sched = decode(placement, args.groups, args.steps)
     except ValueError as exc:
         return refuse(exc)
+    if args.fsdp:
+        sched = sharded(sched)
     sim = simulate(sched)
     steady = decode_bubble(placement, args.groups)
     k = sched.num_workers
     print(
-        f"schedule 'decode': K={k} workers, {sched.num_stages} stages, G={args.groups} groups in flight, "
+        f"schedule 'decode': K={k} workers, {sched.num_stages} stages{_SHARDED if args.fsdp else ''}, "
+        f"G={args.groups} groups in flight, "
         f"T={args.steps} steps each ({sched.num_microbatches} micro-batches); every forward 1"
     )
     print(
@@ -259,6 +305,8 @@ def _decode(args: argparse.Namespace) -> int:
         f"(tokens per unit of time, of {k} at most)"
     )
     print("key/value caches per worker (one per group and stage): " + ", ".join(map(str, sim.peak_in_flight)))
+    if args.fsdp:
+        print(_collectives(sim))
     if _printable(sim.makespan, ()):
         print(sim.text())
     if args.out:

@@ -21,19 +21,22 @@ The collectives outside the actions, the heartbeats and the store's host are des
 
 Part of the library: imports torch and gpipe's library modules, never the applications (train,
 data, models, ...). Modules: ``failure`` (the failure watch), ``channels`` (the transport),
-``collectives`` (the collectives of a step), ``group`` (the default process group).
+``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
+decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP).
 """
 
 from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.collectives import Collectives, RankCollectives, tie_name
 from gpipe.distributed.failure import PipelineError, collective, start_heartbeat
 from gpipe.distributed.group import init_from_env
+from gpipe.distributed.sharding import StageSharding
 
 __all__ = [
     "ChannelTransport",
     "Collectives",
     "PipelineError",
     "RankCollectives",
+    "StageSharding",
     "collective",
     "init_from_env",
     "start_heartbeat",

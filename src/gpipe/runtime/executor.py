@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,7 @@ from gpipe.rng import Watch
 from gpipe.runtime.context import Grads, Saved, StepContext
 from gpipe.runtime.placement import Placement
 from gpipe.runtime.stage import Stage
-from gpipe.schedule.ir import Action, ActionKind, Schedule, execution_order
+from gpipe.schedule.ir import STAGE_WIDE, Action, ActionKind, Schedule, execution_order
 
 __all__ = ["Executor", "Mailbox", "StepRun", "TraceEvent", "Transport"]
 
@@ -135,6 +135,10 @@ class Executor:
     stages must share a device. ``transport`` moves values between workers (default: within this
     process).
 
+    ``stage_wide`` runs a sharded schedule's U, G and R actions (:func:`gpipe.schedule.ir.sharded`;
+    :class:`gpipe.distributed.sharding.StageSharding`); a schedule with such actions is refused
+    without it.
+
     ``cpu_threads`` is the number of intra-op threads each worker on a CPU device uses; by default
     the caller's threads (``torch.get_num_threads()``) are shared out among the CPU workers. CPU
     kernels may sum in a different order with a different number of threads, so results are
@@ -148,6 +152,7 @@ class Executor:
         *,
         transport: Transport | None = None,
         cpu_threads: int | None = None,
+        stage_wide: Callable[[Action], None] | None = None,
     ) -> None:
         if cpu_threads is not None and cpu_threads <= 0:
             raise ValueError(f"cpu_threads must be a positive integer (cpu_threads: {cpu_threads})")
@@ -159,6 +164,7 @@ class Executor:
         self.num_stages = placement.num_stages
         self.transport = transport or Transport()
         self.cpu_threads = cpu_threads
+        self.stage_wide = stage_wide
 
     def run(self, schedule: Schedule, run: StepRun, *, inline: bool = False) -> None:
         """Run this process's actions of ``schedule``; inputs and gradients must already be in the
@@ -282,6 +288,16 @@ class Executor:
         stage = self.stages[action.stage]
         m, s = action.microbatch, action.stage
         kind = action.kind
+        if kind in STAGE_WIDE:
+            if self.stage_wide is None:
+                raise ValueError(
+                    f"{action}: the schedule gathers and reduces sharded parameters, but this pipeline's "
+                    "stages are not sharded (Pipeline(..., fsdp=True) shards them)"
+                )
+            start = time.perf_counter_ns()
+            self.stage_wide(action)
+            run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
+            return
         if kind is ActionKind.FORWARD:
             batch = run.mailbox.get(("act", m, s))
             start = time.perf_counter_ns()
@@ -342,7 +358,7 @@ class Executor:
     def forward(self, schedule: Schedule, batches: Sequence[Batch], ctx: StepContext) -> tuple[StepRun, list[Batch]]:
         """Run the forward actions of ``schedule``; return the step and the last stage's outputs
         (where this process holds the last stage, else [])."""
-        forwards = schedule.only(ActionKind.FORWARD)
+        forwards = schedule.only(ActionKind.FORWARD, ActionKind.UNSHARD, ActionKind.RESHARD)
         run = StepRun(ctx, mailbox=self.transport.mailbox(forwards))
         if 0 in self.stages:
             for m, batch in enumerate(batches):

@@ -14,6 +14,11 @@ measured again after the second step (without the first step's one-time costs) a
 ``drift``. A measuring step runs its schedule with the backward of even micro-batches fused (B) and
 of odd ones split (I, W) — :func:`mixed_backwards`, no more memory — so that both kinds of backward
 stay measured, whichever the plan prefers.
+
+With ``sharded=True`` (FSDP-sharded stages) every schedule a planner hands out is
+:func:`gpipe.schedule.ir.sharded` of the one it would hand out otherwise: each stage's parameters
+gathered once (U) and its gradients reduce-scattered once (G) per step, then freed (R). Plans are made,
+and costs measured, without them (a trace's U, G and R are left out of the costs).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from gpipe.memory import ActivationMeter
 from gpipe.runtime.executor import TraceEvent
 from gpipe.schedule.auto import Plan, StageCosts, plan
 from gpipe.schedule.generate import make_schedule
-from gpipe.schedule.ir import Action, ActionKind, Schedule, dependencies, validate
+from gpipe.schedule.ir import STAGE_WIDE, Action, ActionKind, Schedule, dependencies, validate
+from gpipe.schedule.ir import sharded as shard_stages
 
 Span = tuple[int, Action, int, int]
 """An executed action: (worker, action, start, end), in nanoseconds of ``time.perf_counter_ns``."""
@@ -107,22 +113,32 @@ class Planner:
         """A step at ``microbatches`` ran ``schedule``: its trace, and its meter where it measured memory."""
 
 
-class FixedPlanner(Planner):
-    """A generator's schedule, made once per number of micro-batches."""
+def _sharded(schedule: Schedule) -> Schedule:
+    """``schedule`` with its stages sharded (U, G, R per stage), validated."""
+    out = shard_stages(schedule)
+    validate(out)
+    return out
 
-    def __init__(self, name: str, workers: int, virtual: int) -> None:
-        self.name, self.workers, self.virtual = name, workers, virtual
+
+class FixedPlanner(Planner):
+    """A generator's schedule, made once per number of micro-batches (``sharded``: with its stages
+    sharded, :func:`gpipe.schedule.ir.sharded`)."""
+
+    def __init__(self, name: str, workers: int, virtual: int, *, sharded: bool = False) -> None:
+        self.name, self.workers, self.virtual, self.sharded = name, workers, virtual, sharded
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a few M per pipeline
     def schedule_for(self, microbatches: int) -> Schedule:
-        return make_schedule(self.name, self.workers, microbatches, self.virtual)
+        schedule = make_schedule(self.name, self.workers, microbatches, self.virtual)
+        return _sharded(schedule) if self.sharded else schedule
 
 
 class AutoPlanner(Planner):
     """``schedule='auto'``: plans from the costs measured at each number of micro-batches.
 
     ``gather(value)`` returns every rank's value (in rank order; ``[value]`` in one process);
-    ``replica`` is this process's data-parallel replica."""
+    ``replica`` is this process's data-parallel replica; ``sharded``: every schedule handed out has its
+    stages sharded (:func:`gpipe.schedule.ir.sharded`; the plans have not)."""
 
     name = "auto"
 
@@ -133,9 +149,12 @@ class AutoPlanner(Planner):
         options: AutoSchedule,
         gather: Callable[[Any], list[Any]],
         replica: int = 0,
+        *,
+        sharded: bool = False,
     ) -> None:
         self.workers, self.placement, self.options, self.gather = workers, tuple(placement), options, gather
-        self.replica = replica
+        self.replica, self.sharded = replica, sharded
+        self._handed: dict[int, tuple[Schedule, Schedule]] = {}  # id(plan's schedule) -> (it, sharded)
         self.cap = parse_memory_cap(options.memory_cap)
         self.num_stages = len(self.placement)
         self.costs: dict[int, StageCosts] = {}
@@ -169,8 +188,20 @@ class AutoPlanner(Planner):
         step = self.steps.get(microbatches, 0) + 1
         if step > 1 and self.options.costs is None and self._measuring(step):
             # A measuring step measures the fused and the split backward alike, whatever the plan runs.
-            return mixed_backwards(found.schedule)
-        return found.schedule
+            return self._hand_out(mixed_backwards(found.schedule))
+        return self._hand_out(found.schedule)
+
+    def _hand_out(self, schedule: Schedule) -> Schedule:
+        """``schedule``, or with its stages sharded: made once per schedule, so that a step gets the
+        same object each time (the transports key their routes by it)."""
+        if not self.sharded:
+            return schedule
+        found = self._handed.get(id(schedule))
+        if found is None or found[0] is not schedule:
+            if len(self._handed) > 16:  # a plan's and a measuring step's per M, a few M
+                self._handed.clear()
+            found = self._handed[id(schedule)] = (schedule, _sharded(schedule))
+        return found[1]
 
     def measures_memory(self, microbatches: int) -> bool:
         return (
@@ -264,8 +295,9 @@ def _handover_waits(spans: Sequence[Span], schedule: Schedule) -> list[float]:
 def mixed_backwards(schedule: Schedule) -> Schedule:
     """``schedule`` with the backward of even micro-batches fused (B) and of odd ones split (I, then
     W at once, or where the schedule had it): a step that measures both kinds of backward, holding
-    no more memory than ``schedule`` (a fused backward frees a micro-batch no later than its W)."""
-    odd = {(a.microbatch, a.stage) for a in schedule if a.microbatch % 2}
+    no more memory than ``schedule`` (a fused backward frees a micro-batch no later than its W). A
+    sharded schedule's U, G and R stay where they are (G, R after the stage's last B or W still)."""
+    odd = {(a.microbatch, a.stage) for a in schedule if a.microbatch % 2 and a.kind not in STAGE_WIDE}
     out = []
     for acts in schedule.actions:
         seq: list[Action] = []

@@ -20,7 +20,15 @@ from gpipe.schedule.simulate import Simulation
 
 __all__ = ["StepTrace"]
 
-_KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+_KIND_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward (input)",
+    "W": "backward (weight)",
+    "U": "all-gather",
+    "G": "reduce-scatter",
+    "R": "reshard",
+}
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class StepTrace:
             a = e.action
             events.append(
                 {
-                    "name": f"{a.kind.value}{a.microbatch} s{a.stage}",
+                    "name": f"{a.label} s{a.stage}",
                     "cat": _KIND_NAMES[a.kind.value],
                     "ph": "X",
                     "pid": 0,

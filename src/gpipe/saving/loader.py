@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gpipe.saving.dcp import _brief, _dcp_io, _dcp_load
 from gpipe.saving.folders import MANIFEST, METADATA, CheckpointError, _checkpoint_folder, _read_manifest
@@ -77,13 +78,17 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _template(md: Any) -> Any:
-    """Where DCP reads an entry of metadata ``md``: a tensor of its shape and dtype, or None (a pickle)."""
+def _template(md: Any, like: Any = None) -> Any:
+    """Where DCP reads an entry of metadata ``md``: a tensor of its shape and dtype, or None (a pickle).
+    Where the model holds a shard of it (``like``, a ``DTensor`` of that shape: a stage sharded with
+    ``fsdp=True``), a ``DTensor`` sharded alike, so that this rank reads its shard only."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if isinstance(md, TensorStorageMetadata):
-        return torch.empty(md.size, dtype=md.properties.dtype)
-    return None
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(md.size):
+        return torch.empty_like(like, dtype=md.properties.dtype)
+    return torch.empty(md.size, dtype=md.properties.dtype)
 
 
 class _OptimizerLoad:
@@ -106,6 +111,7 @@ class _OptimizerLoad:
                     break
         self.template: dict[str, Any] = {}
         self.chosen: list[list[tuple[int, str]]] = []
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # by the state's index
         for members in self.groups:
             chosen = []
             for index, names in members:
@@ -118,7 +124,7 @@ class _OptimizerLoad:
                 chosen.append((index, name))
                 self.template[f"{GROUPS}{name}"] = None
                 for key in self.keys[name]:
-                    self.template[f"{STATE}{name}.{key}"] = _template(saved[f"{STATE}{name}.{key}"])
+                    self.template[f"{STATE}{name}.{key}"] = _template(saved[f"{STATE}{name}.{key}"], params[index])
             self.chosen.append(chosen)
 
     def state_dict(self, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -213,7 +219,7 @@ def load(model: nn.Module, directory: str | os.PathLike[str], *, optimizer: torc
                     f"checkpoint layer {i} ({f'{i}.{key}'!r}, {type(layer).__name__}) in {str(where)!r}: "
                     f"saved shape {_shape(md)}, model's {_shape(value)}"
                 )
-            template[prefix + key] = _template(md)
+            template[prefix + key] = _template(md, value)
     plan = None if optimizer is None else _OptimizerLoad(model, optimizer, metadata, target)
     if plan is not None:
         template.update(plan.template)

@@ -84,7 +84,8 @@ def save(
     target = root / f"step-{step:08d}"
     staging = root / f".{target.name}.tmp"
     leader = group is None or dist.get_rank(group) == 0
-    writes = engine.comm.dp_rank == 0  # data-parallel replicas hold the same layers
+    # Data-parallel replicas hold the same layers; sharded ones (fsdp) each hold a part of them.
+    writes = engine.comm.dp_rank == 0 or engine.sharding is not None
 
     # Every rank is here (its files of this step, if any, are written): rank 0 prepares the folder.
     entries, error = _run(lambda: _entries(model, optimizer) if writes else {})

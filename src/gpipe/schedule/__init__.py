@@ -7,6 +7,13 @@ Generate → validate → simulate → render → execute::
     >>> round(sim.bubble, 3), sim.peak_in_flight
     (0.273, (4, 3, 2, 1))
 
+FSDP-sharded stages: each stage's parameters gathered (U) and its gradients reduce-scattered (G) once
+per step, then freed (R), as actions of the schedule::
+
+    >>> from gpipe.schedule import sharded
+    >>> simulate(sharded(make_schedule("1f1b", 4, 8))).collectives
+    ((1, 1), (1, 1), (1, 1), (1, 1))
+
 A decode (forwards only, ``G`` groups of sequences in flight, each step's input chosen by the last)::
 
     >>> from gpipe.schedule import decode, decode_bubble
@@ -31,12 +38,14 @@ from gpipe.schedule.generate import (
     zb_v,
 )
 from gpipe.schedule.ir import (
+    STAGE_WIDE,
     Action,
     ActionKind,
     Schedule,
     ScheduleError,
     dependencies,
     execution_order,
+    sharded,
     validate,
 )
 from gpipe.schedule.render import render_timeline
@@ -44,6 +53,7 @@ from gpipe.schedule.simulate import Simulation, kind_cost, simulate, unit_cost
 
 __all__ = [
     "SCHEDULES",
+    "STAGE_WIDE",
     "Action",
     "ActionKind",
     "Candidate",
@@ -69,6 +79,7 @@ __all__ = [
     "peak_memory",
     "plan",
     "render_timeline",
+    "sharded",
     "simulate",
     "unit_cost",
     "validate",

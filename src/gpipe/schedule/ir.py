@@ -8,9 +8,16 @@ F      forward of micro-batch ``m`` on stage ``s``
 B      full backward (input and weight gradients) of ``m`` on ``s``
 I      backward for the *input* gradient only (the zero-bubble papers' "B")
 W      backward for the *weight* gradient, after I of the same micro-batch and stage
+U      gather stage ``s``'s sharded parameters (all-gather), before the stage's first action of the step
+G      reduce-scatter the gradients of ``s``, after its last backward (B or W)
+R      free the gathered parameters of ``s``, after G and its last action
 =====  ==========================================================================================
 
-Dependencies are implied by the model and are the same for every schedule::
+The last three are *stage-wide* (:data:`STAGE_WIDE`; ``U(s)``, ``G(s)``, ``R(s)``, micro-batch -1): a
+schedule of FSDP-sharded stages (:func:`sharded`) runs each once per stage and step, on the stage's
+worker; they consume no other action's result, their place in the worker's order is all they need.
+
+Dependencies of the others are implied by the model and are the same for every schedule::
 
     F(m, s)    needs F(m, s-1)                   the activation from the previous stage
     B|I(m, s)  needs F(m, s) and B|I(m, s+1)     its own forward, the gradient from the next stage
@@ -38,6 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "STAGE_WIDE",
     "Action",
     "ActionKind",
     "Schedule",
@@ -46,6 +54,7 @@ __all__ = [
     "dependencies",
     "execution_order",
     "round_robin",
+    "sharded",
     "timeline",
     "v_shape",
     "validate",
@@ -61,6 +70,13 @@ class ActionKind(enum.Enum):
     BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
+    UNSHARD = "U"
+    RESHARD = "R"
+    REDUCE_GRAD = "G"
+
+
+STAGE_WIDE = (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD)
+"""The kinds that act on a whole stage once per step (micro-batch -1): a sharded stage's collectives."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +88,13 @@ class Action:
     stage: int
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.microbatch}@stage{self.stage}"
+        return f"{self.label}@stage{self.stage}"
 
     @property
     def label(self) -> str:
+        """Kind and micro-batch (``F3``); a stage-wide action's kind alone (``U``)."""
+        if self.microbatch == -1 and self.kind in STAGE_WIDE:
+            return self.kind.value
         return f"{self.kind.value}{self.microbatch}"
 
 
@@ -93,6 +112,21 @@ def I(microbatch: int, stage: int) -> Action:  # noqa: N802, E743
 
 def W(microbatch: int, stage: int) -> Action:  # noqa: N802
     return Action(ActionKind.BACKWARD_WEIGHT, microbatch, stage)
+
+
+def U(stage: int) -> Action:  # noqa: N802
+    """Gather ``stage``'s sharded parameters, before its first action of the step."""
+    return Action(ActionKind.UNSHARD, -1, stage)
+
+
+def R(stage: int) -> Action:  # noqa: N802
+    """Free ``stage``'s gathered parameters, after its last action of the step."""
+    return Action(ActionKind.RESHARD, -1, stage)
+
+
+def G(stage: int) -> Action:  # noqa: N802
+    """Reduce-scatter ``stage``'s gradients, after its last backward (B or W) of the step."""
+    return Action(ActionKind.REDUCE_GRAD, -1, stage)
 
 
 BACKWARDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
@@ -132,14 +166,15 @@ class Schedule:
         return tuple(s for s, w in enumerate(self.placement) if w == worker)
 
     def only(self, *kinds: ActionKind) -> Schedule:
-        """The same schedule with only the actions of ``kinds`` (a phase of a fill-drain step)."""
+        """The same schedule with only the actions of ``kinds`` (a phase of a fill-drain step); a
+        stage-wide action stays where its kind is named (``only(F, U, R)``: a sharded step's forwards)."""
         acts = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
         return Schedule(self.name, self.num_stages, self.num_microbatches, acts, self.placement, self.feedback)
 
     def label(self, action: Action) -> str:
         """``action`` in a timeline's cell: kind and micro-batch (``F3``); in a decode, the group and the
         group's step (``g1t3``: micro-batch ``3*G + 1``)."""
-        if self.feedback:
+        if self.feedback and action.kind not in STAGE_WIDE:
             step, group = divmod(action.microbatch, self.feedback)
             return f"g{group}t{step}"
         return action.label
@@ -161,6 +196,8 @@ def v_shape(workers: int) -> tuple[int, ...]:
 
 def dependencies(action: Action, schedule: Schedule, present: set[Action] | None = None) -> tuple[Action, ...]:
     """The actions of ``schedule`` whose results ``action`` consumes."""
+    if action.kind in STAGE_WIDE:
+        return ()  # the worker's order carries them: U before its stage's actions, G and R after
     present = present if present is not None else set(schedule)
     m, s = action.microbatch, action.stage
     if action.kind is ActionKind.FORWARD:
@@ -202,6 +239,8 @@ def validate(schedule: Schedule) -> None:
     for s in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):
             _check_complete(schedule, m, s, seen)
+    if any(a.kind in STAGE_WIDE for a in seen):
+        _check_sharded(schedule, seen)
     timeline(schedule, lambda a: 1.0)
 
 
@@ -230,22 +269,38 @@ def _check_action(
     seen: dict[Action, tuple[int, int]],
     w: int,
 ) -> None:
-    if not (0 <= a.stage < schedule.num_stages and 0 <= a.microbatch < schedule.num_microbatches):
+    wide = a.kind in STAGE_WIDE
+    if wide and a.microbatch != -1:
+        raise ScheduleError(
+            f"{a} at {where} has micro-batch {a.microbatch}, but a stage-wide action belongs to none: "
+            f"build it with {a.kind.value}({a.stage}) (micro-batch -1)"
+        )
+    if not (0 <= a.stage < schedule.num_stages and (wide or 0 <= a.microbatch < schedule.num_microbatches)):
         raise ScheduleError(
             f"{a} at {where} is out of range "
             f"(stages: {schedule.num_stages}, micro-batches: {schedule.num_microbatches})"
         )
     if a in seen:
+        if wide:
+            raise ScheduleError(
+                f"{a} at {where} is a second {a.kind.value} of stage {a.stage} (the first at worker {seen[a][0]}, "
+                f"position {seen[a][1]}): a sharded stage {_DOES[a.kind]} once per step; drop one"
+            )
         raise ScheduleError(f"{a} at {where} is a duplicate of worker {seen[a][0]}, position {seen[a][1]}")
     if schedule.placement[a.stage] != w:
         raise ScheduleError(f"{a} at {where}: stage {a.stage} is placed on worker {schedule.placement[a.stage]}")
-    if schedule.feedback and a.kind is not ActionKind.FORWARD:
+    if schedule.feedback and a.kind is ActionKind.REDUCE_GRAD:
+        raise ScheduleError(
+            f"{a} at {where}: schedule {schedule.name!r} is a decode (feedback {schedule.feedback}), which computes "
+            "no gradients to reduce; drop it (a decode's sharded stage has U and R only)"
+        )
+    if schedule.feedback and a.kind not in (ActionKind.FORWARD, ActionKind.UNSHARD, ActionKind.RESHARD):
         raise ScheduleError(
             f"{a} at {where}: schedule {schedule.name!r} is a decode (feedback {schedule.feedback}), forwards only; "
             "drop its backward actions, or make feedback 0 for a training step"
         )
     before = I(a.microbatch, a.stage) if a.kind is ActionKind.BACKWARD_WEIGHT else F(a.microbatch, a.stage)
-    if a.kind is not ActionKind.FORWARD and before not in seen:
+    if a.kind is not ActionKind.FORWARD and not wide and before not in seen:
         raise ScheduleError(f"{a} at {where} comes before {before}, which it needs")
 
 
@@ -267,6 +322,89 @@ def _check_complete(schedule: Schedule, m: int, s: int, seen: dict[Action, tuple
         need(I(m, s), f"{W(m, s)} needs the input-gradient pass first")
     else:
         need(B(m, s), "every stage needs the backward of every micro-batch (B, or I and W)")
+
+
+_DOES = {
+    ActionKind.UNSHARD: "gathers its parameters",
+    ActionKind.RESHARD: "frees its gathered parameters",
+    ActionKind.REDUCE_GRAD: "reduce-scatters its gradients",
+}
+
+
+def _check_sharded(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
+    """The rules of a schedule with stage-wide actions (see :func:`sharded`): every stage has one U
+    before all its actions, one G after its last B or W where it has any (else none), one R after G and
+    all its actions. A stage's actions are all on its worker (checked before), so positions compare."""
+    first: dict[int, Action] = {}
+    last: dict[int, Action] = {}
+    last_grad: dict[int, Action] = {}
+    for a in seen:  # in each worker's order
+        if a.kind not in STAGE_WIDE:
+            first.setdefault(a.stage, a)
+            last[a.stage] = a
+            if a.kind in RELEASES:
+                last_grad[a.stage] = a
+
+    def at(a: Action) -> str:
+        return f"{a} at worker {seen[a][0]}, position {seen[a][1]}"
+
+    for s in range(schedule.num_stages):
+        u, g, r = U(s), G(s), R(s)
+        for need in (u, g, r) if s in last_grad else (u, r):
+            if need not in seen:
+                why = f"stage {s} has backward actions and " if need is g else ""
+                raise ScheduleError(
+                    f"schedule {schedule.name!r} has stage-wide actions but no {need}: {why}a sharded stage "
+                    f"{_DOES[need.kind]} once per step (sharded(schedule) places U, G and R)"
+                )
+        if g in seen and s not in last_grad:
+            raise ScheduleError(f"{at(g)}: stage {s} has no backward (B or W) whose gradients it would reduce; drop it")
+        if s in first and seen[u][1] > seen[first[s]][1]:
+            raise ScheduleError(
+                f"{at(u)} comes after {at(first[s])}: gather a stage's parameters before its first action"
+            )
+        if s in last_grad and seen[g][1] < seen[last_grad[s]][1]:
+            raise ScheduleError(
+                f"{at(g)} comes before {at(last_grad[s])}: reduce-scatter a stage's gradients after its last B or W"
+            )
+        if g in seen and seen[r][1] < seen[g][1]:
+            raise ScheduleError(f"{at(r)} comes before {at(g)}: free a stage's parameters after reducing its gradients")
+        if s in last and seen[r][1] < seen[last[s]][1]:
+            raise ScheduleError(f"{at(r)} comes before {at(last[s])}, which needs the parameters: free them after it")
+
+
+def sharded(schedule: Schedule) -> Schedule:
+    """``schedule`` with its stages sharded (FSDP): on every worker, for each stage ``s`` it holds,
+    ``U(s)`` just before its first action of ``s`` and, after its last B or W of ``s``, ``G(s)`` then
+    ``R(s)``; a stage without backward actions (forwards only, a decode) gets ``R(s)`` after its last
+    action and no G. So parameters are gathered once and gradients reduce-scattered once per step.
+    Everything else (name, sizes, placement, feedback) is ``schedule``'s."""
+    done = next((a for a in schedule if a.kind in STAGE_WIDE), None)
+    if done is not None:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} is sharded already (it has {done}): shard the unsharded schedule, once"
+        )
+    out: list[tuple[Action, ...]] = []
+    for acts in schedule.actions:
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        last_grad: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            first.setdefault(a.stage, i)
+            last[a.stage] = i
+            if a.kind in RELEASES:
+                last_grad[a.stage] = i
+        seq: list[Action] = []
+        for i, a in enumerate(acts):
+            s = a.stage
+            seq += [U(s), a] if first[s] == i else [a]
+            if last_grad.get(s) == i:
+                seq.append(G(s))
+            if last[s] == i:
+                seq.append(R(s))
+        out.append(tuple(seq))
+    name, stages, micro = schedule.name, schedule.num_stages, schedule.num_microbatches
+    return Schedule(name, stages, micro, tuple(out), schedule.placement, schedule.feedback)
 
 
 Transfer = float | Callable[[Action, Action], float]

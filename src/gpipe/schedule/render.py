@@ -1,6 +1,7 @@
 """Pictures of a timeline, like the paper's Figure 2c: workers as rows, time as columns, forward and
 backward passes in distinct colours, micro-batch numbers in the cells (a decode's: group and step,
-``g1t3``), the bubble in the title.
+``g1t3``), the bubble in the title. A sharded schedule's stage-wide actions are marks across a
+worker's row at their time (a thin bar where they take time), lettered U, G (above) and R (below).
 
 Works for a simulated timeline and for a measured one (``StepTrace.timeline()``) alike.
 """
@@ -9,13 +10,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+from gpipe.schedule.ir import STAGE_WIDE
 from gpipe.schedule.simulate import Simulation
 
 __all__ = ["COLORS", "check_timeline_path", "render_timeline"]
 
-COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#F58518", "W": "#B279A2"}
-_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+COLORS = {
+    "F": "#4C78A8",
+    "B": "#54A24B",
+    "I": "#F58518",
+    "W": "#B279A2",
+    "U": "#222222",
+    "G": "#E45756",
+    "R": "#8C8C8C",
+}
+_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward (input)",
+    "W": "backward (weight)",
+    "U": "all-gather (U)",
+    "G": "reduce-scatter (G)",
+    "R": "free (R)",
+}
 
 
 def _formats() -> list[str]:
@@ -57,7 +76,7 @@ def render_timeline(
     origin = min(start for start, _ in sim.spans.values())
     workers = schedule.num_workers
     virtual = max(1, schedule.num_stages // workers)
-    width = min(24.0, max(6.0, 0.28 * len(schedule.actions[0]) + 2))
+    width = min(24.0, max(6.0, 0.28 * sum(a.kind not in STAGE_WIDE for a in schedule.actions[0]) + 2))
     fig, ax = plt.subplots(figsize=(width, 0.55 * workers + 1.4))
     kinds_seen: dict[str, None] = {}
     for w, acts in enumerate(schedule.actions):
@@ -65,6 +84,9 @@ def render_timeline(
             start, end = (t - origin for t in sim.spans[a])
             kind = a.kind.value
             kinds_seen[kind] = None
+            if a.kind in STAGE_WIDE:
+                _mark(ax, w, start, end, kind)
+                continue
             chunk = a.stage // workers
             ax.barh(
                 w,
@@ -81,13 +103,16 @@ def render_timeline(
                 ax.text((start + end) / 2, w, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(workers), [f"worker {w}" for w in range(workers)])
     ax.invert_yaxis()
-    ax.set_xlim(0, sim.makespan)
+    pad = 0.01 * sim.makespan if any(a.kind in STAGE_WIDE for a in schedule) else 0.0  # marks at the ends
+    ax.set_xlim(-pad, sim.makespan + pad)
     ax.set_xlabel(unit)
     if schedule.feedback:  # a decode: G groups, T steps each
         steps = -(-schedule.num_microbatches // schedule.feedback)
         sizes, held = f"G={schedule.feedback}, T={steps}", "caches per worker"
     else:
         sizes, held = f"M={schedule.num_microbatches}", "peak in flight"
+    if any(u for u, _ in sim.collectives):
+        sizes += ", sharded"
     ax.set_title(
         title
         or f"{schedule.name}: K={workers}, {sizes}"
@@ -98,7 +123,7 @@ def render_timeline(
         handles=[Patch(color=COLORS[k], label=_NAMES[k]) for k in kinds_seen],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.35 if workers < 4 else -0.15),
-        ncol=len(kinds_seen),
+        ncol=min(len(kinds_seen), 4),
         frameon=False,
         fontsize=8,
     )
@@ -106,3 +131,17 @@ def render_timeline(
     fig.savefig(out, dpi=150)
     plt.close(fig)
     return out
+
+
+def _mark(ax: Any, w: int, start: float, end: float, kind: str) -> None:
+    """A stage-wide action on worker ``w``'s row: a tick across the row (at its start for U, its end
+    for G and R, so back-to-back G and R stay after the backward), a thin bar where it takes time,
+    and its letter above the row (U, G) or below it (R)."""
+    color = COLORS[kind]
+    if end > start:
+        ax.barh(w, end - start, left=start, height=0.3, color=color, edgecolor="white", linewidth=0.4)
+    at = start if kind == "U" else end
+    ax.vlines(at, w - 0.4, w + 0.4, colors=color, linewidth=1.2)
+    above = kind != "R"  # the y axis is inverted: row w - 0.4 is its top
+    y, va = (w - 0.42, "bottom") if above else (w + 0.42, "top")
+    ax.text(at, y, kind, ha="center", va=va, fontsize=6, color=color)

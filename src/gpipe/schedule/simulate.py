@@ -4,7 +4,9 @@ Each worker runs its actions in order; an action starts as soon as its worker is
 it depends on have ended. From the timeline: the makespan, every worker's busy and idle time, the
 bubble (the idle fraction of the step), and the peak number of micro-batches whose activations a
 worker holds (counted from a forward to the backward that frees them: B, or W after a split backward;
-in a decode, which keeps no activations, the key/value caches a worker holds instead).
+in a decode, which keeps no activations, the key/value caches a worker holds instead). A sharded
+schedule's stage-wide actions (U, G, R: :func:`gpipe.schedule.ir.sharded`) cost nothing unless a cost
+names them, so it simulates as its unsharded schedule does; :attr:`Simulation.collectives` counts them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe.schedule.ir import RELEASES, Action, ActionKind, Schedule, Transfer, timeline, validate
+from gpipe.schedule.ir import RELEASES, STAGE_WIDE, Action, ActionKind, Schedule, Transfer, timeline, validate
 
 __all__ = ["Simulation", "kind_cost", "simulate", "unit_cost"]
 
@@ -21,13 +23,14 @@ Cost = Callable[[Action], float]
 
 
 def unit_cost(action: Action) -> float:
-    """Every action takes one unit of time."""
-    return 1.0
+    """Every action takes one unit of time; a stage-wide one (U, G, R) none."""
+    return 0.0 if action.kind in STAGE_WIDE else 1.0
 
 
 def kind_cost(**costs: float) -> Cost:
-    """Costs by kind, e.g. ``kind_cost(F=1, B=2, I=1, W=1)``; a kind not named costs 1."""
-    return lambda a: float(costs.get(a.kind.value, 1.0))
+    """Costs by kind, e.g. ``kind_cost(F=1, B=2, I=1, W=1)`` or ``kind_cost(U=0.5, G=0.5)``; a kind
+    not named costs 1, a stage-wide one (U, G, R) 0."""
+    return lambda a: float(costs.get(a.kind.value, 0.0 if a.kind in STAGE_WIDE else 1.0))
 
 
 @dataclass(frozen=True)
@@ -68,15 +71,31 @@ class Simulation:
         worker holds, one per group on each of its stages (``G`` with one stage per worker)."""
         fb = self.schedule.feedback
         if fb:
-            return tuple(len({(a.microbatch % fb, a.stage) for a in acts}) for acts in self.schedule.actions)
+            return tuple(
+                len({(a.microbatch % fb, a.stage) for a in acts if a.kind not in STAGE_WIDE})
+                for acts in self.schedule.actions
+            )
         return tuple(peak_in_flight(acts) for acts in self.schedule.actions)
+
+    @property
+    def collectives(self) -> tuple[tuple[int, int], ...]:
+        """Per worker, its (all-gathers, reduce-scatters) of a step: the U and G actions of a sharded
+        schedule, one each per stage it holds (no G in a forward-only step); (0, 0) unsharded."""
+        return tuple(
+            (
+                sum(a.kind is ActionKind.UNSHARD for a in acts),
+                sum(a.kind is ActionKind.REDUCE_GRAD for a in acts),
+            )
+            for acts in self.schedule.actions
+        )
 
     def text(self) -> str:
         """The timeline as a small table: one row per worker, one column per unit of time (for
         schedules simulated with integer costs). A cell is an action and its micro-batch (``F3``), in
         a decode the group and its step (``g1t3``, :meth:`Schedule.label`); where a worker holds
         several stages, also the stage's letter on that worker (``F3b``: its second stage), and a last
-        line says which stages the letters are."""
+        line says which stages the letters are. An action that takes no time (a stage-wide one at no
+        cost) takes no cell."""
         origin = min(start for start, _ in self.spans.values())
         sched = self.schedule
         held = [sched.stages_of(w) for w in range(sched.num_workers)]

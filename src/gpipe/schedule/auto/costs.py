@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpipe.schedule.ir import Action, ActionKind, Schedule
+from gpipe.schedule.ir import STAGE_WIDE, Action, ActionKind, Schedule
 
 __all__ = ["StageCosts", "_check_value", "peak_memory"]
 
@@ -141,7 +141,8 @@ class StageCosts:
         measured and the split is estimated: ``I = input_share * B``, ``W = (1 - input_share) * B``
         (default half and half, the zero-bubble paper's F ≈ I ≈ W); ``split_estimated`` marks those
         stages. Planning then treats a split backward as costing what the fused one did; the next
-        trace, of the split schedule, measures the real I and W.
+        trace, of the split schedule, measures the real I and W. A sharded step's stage-wide actions
+        (U, G, R) are no part of these costs: they are left out.
         """
         if not isinstance(num_stages, int) or num_stages <= 0:
             raise ValueError(f"num_stages must be a positive integer (got {num_stages!r})")
@@ -153,6 +154,8 @@ class StageCosts:
             if not 0 <= action.stage < num_stages:
                 raise ValueError(f"the trace has {action} but there are {num_stages} stages")
             value = _check_value(f"the cost of {action}", seconds)
+            if action.kind in STAGE_WIDE:
+                continue
             sums.setdefault((action.stage, action.kind.value), []).append(value)
         # The median: robust to the slow first calls of a step (a stage learning its layers, caches).
         mean = {key: statistics.median(v) for key, v in sums.items()}
@@ -188,8 +191,11 @@ class StageCosts:
         )
 
     def cost(self, action: Action) -> float:
-        """The time of ``action`` (a cost function for :func:`~gpipe.schedule.simulate.simulate`)."""
+        """The time of ``action`` (a cost function for :func:`~gpipe.schedule.simulate.simulate`); a
+        stage-wide action (U, G, R) takes none, as under :func:`~gpipe.schedule.simulate.unit_cost`."""
         s, kind = action.stage, action.kind
+        if kind in STAGE_WIDE:
+            return 0.0
         if kind is ActionKind.FORWARD:
             return self.forward[s]
         if kind is ActionKind.BACKWARD_INPUT:

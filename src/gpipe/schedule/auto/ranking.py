@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from gpipe.schedule.auto.costs import StageCosts
 from gpipe.schedule.auto.greedy import _EPS
-from gpipe.schedule.ir import Action, ActionKind, Schedule, timeline
+from gpipe.schedule.ir import STAGE_WIDE, Action, ActionKind, Schedule, timeline
 from gpipe.schedule.simulate import Simulation
 
 __all__ = ["Candidate", "Plan", "_best", "_expected"]
@@ -135,7 +135,7 @@ def _expected(candidates: list[Candidate], costs: StageCosts, microbatches: int)
     best = min(c.makespan for c in candidates)
     sigma = math.sqrt(math.log1p(costs.jitter**2))
     rng = random.Random(0)
-    kinds = list(ActionKind)
+    kinds = [k for k in ActionKind if k not in STAGE_WIDE]  # (candidates are unsharded; same draws as ever)
     draws = [
         {
             (k, m, s): rng.lognormvariate(-(sigma**2) / 2, sigma)
@@ -154,7 +154,7 @@ def _expected(candidates: list[Candidate], costs: StageCosts, microbatches: int)
         for draw in draws:
 
             def cost(a: Action, draw: dict[tuple[ActionKind, int, int], float] = draw) -> float:
-                return costs.cost(a) * draw[a.kind, a.microbatch, a.stage]
+                return costs.cost(a) * draw.get((a.kind, a.microbatch, a.stage), 1.0)
 
             spans = timeline(c.schedule, cost, costs.transfer)
             total += max(end for _, end in spans.values()) - min(start for start, _ in spans.values())

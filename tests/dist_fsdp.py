@@ -1,0 +1,196 @@
+"""What each rank runs in tests/test_fsdp.py: pipelines whose stages are sharded over their
+data-parallel group (``Pipeline(fsdp=True)``), and the plain models they are compared with."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from gpipe import Pipeline, to_sequential
+from gpipe.models.transformer import transformer
+from tests.helpers import even
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _hf_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return _lm_loss(output.logits, target)
+
+
+def model_and_data(kind: str) -> tuple[nn.Sequential, Any, torch.Tensor, LossFn]:
+    """A small model as layers (seeded: the same on every rank and in the test), a global batch of
+    16 and its loss. ``kind``: 'mlp', 'transformer' (gpipe's T(2, 64, 4)), 'llama' (a Hugging Face
+    Llama config traced by to_sequential)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(6, 6), nn.Tanh())])
+        return model, torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g), F.mse_loss
+    if kind == "transformer":
+        model = transformer(2, 64, 4, dim=32, vocab=50, max_len=16, dropout=0.0)
+        src, tgt = torch.randint(1, 50, (16, 10), generator=g), torch.randint(1, 50, (16, 9), generator=g)
+        return model, (src, tgt), torch.randint(1, 50, (16, 9), generator=g), _lm_loss
+    if kind == "llama":
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager",
+        )  # fmt: skip
+        ids = torch.randint(1, 64, (16, 8), generator=g)
+        layers = to_sequential(transformers.LlamaForCausalLM(config), ids[:4])
+        return layers, ids, torch.randint(1, 64, (16, 8), generator=g), _hf_loss
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def plain_run(kind: str, steps: int, lr: float) -> dict[str, Any]:
+    """The unpipelined reference: the same layers called in order on the whole batch, ``steps``
+    Adam steps; each step's loss, and the first step's gradients by '<layer>.<parameter>'."""
+    model, x, y, loss_fn = model_and_data(kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, grads = [], {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        losses.append(loss.detach())
+    return {"losses": losses, "grads": grads}
+
+
+@contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Count the all-gathers and reduce-scatters FSDP issues (it calls these two through
+    ``torch.distributed`` at call time)."""
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    originals = dist.all_gather_single, dist.reduce_scatter_single
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        counts["all_gather"] += 1
+        return originals[0](*args, **kwargs)
+
+    def scatter(*args: Any, **kwargs: Any) -> Any:
+        counts["reduce_scatter"] += 1
+        return originals[1](*args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = gather, scatter  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = originals  # type: ignore[assignment]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def by_layer(pipe: Pipeline, values: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """``values(p)`` of this rank's parameters, keyed '<global layer index>.<parameter path>' (a
+    partition names its layers by their global index)."""
+    found = {}
+    for partition in pipe.partitions.values():
+        for name, p in partition.named_parameters():
+            v = values(p)
+            if v is not None:
+                found[name] = v
+    return found
+
+
+def sharded_train(kind: str, schedule: str, dp: int, steps: int, lr: float, fsdp: bool = True) -> dict[str, Any]:
+    """dp replicas of a pipeline over WORLD_SIZE / dp ranks (sharded with ``fsdp``), ``steps`` Adam
+    steps on the same global batch: the losses, the first step's gradients (whole, gathered over
+    the replicas), the collectives of the second step, this rank's actions of the last step, and its
+    parameter, gradient and optimizer-state elements."""
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y, loss_fn = model_and_data(kind)
+    virtual = 2 if schedule in ("zb-v", "dualpipev", "interleaved-1f1b") else 1
+    pipe = Pipeline(
+        model, even(len(model), world // dp * virtual), chunks=2, schedule=schedule, loss_fn=loss_fn,
+        data_parallel=dp, fsdp=fsdp, virtual=virtual,
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
+    losses, grads, counts = [], {}, {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        with counting() as counted:
+            losses.append(pipe.step(x, y))
+        if step == 0:
+            grads = by_layer(pipe, lambda p: None if p.grad is None else _full(p.grad).clone())
+        if step == 1:
+            counts = dict(counted)
+        optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
+    assert pipe.last_trace is not None
+    return {
+        "losses": losses,
+        "grads": grads,
+        "collectives": counts,
+        "stages": len(pipe.partitions),
+        "dp_rank": pipe.dp_rank,
+        "actions": [
+            str(a) for acts in pipe.last_trace.schedule.actions for a in acts if str(a.stage) in pipe.partitions
+        ],
+        "elements": {
+            "parameters": sum(_local(p).numel() for p in pipe.parameters()),
+            "gradients": sum(_local(p.grad).numel() for p in pipe.parameters() if p.grad is not None),
+            "optimizer": sum(_local(t).numel() for t in state),
+        },
+        "eval": _logits(pipe(x)),
+    }
+
+
+def _logits(output: Any) -> Any:
+    return getattr(output, "logits", output)
+
+
+def sharded_save(directory: str, steps: int) -> dict[str, Any]:
+    """pp x fsdp 2 (WORLD_SIZE / 2 stages): Adam for ``steps`` steps, saved with its state, then one
+    more step, whose loss a run resumed from the checkpoint must see."""
+    from gpipe import save_checkpoint
+
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y, loss_fn = model_and_data("mlp")
+    pipe = Pipeline(model, even(len(model), world // 2), chunks=4, loss_fn=loss_fn, data_parallel=2, fsdp=True)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        optimizer.step()
+    save_checkpoint(pipe, directory, steps, optimizer=optimizer)
+    optimizer.zero_grad()
+    next_loss = pipe.step(x, y)
+    return {"next": next_loss, "dp_rank": pipe.dp_rank}
+
+
+def load_and_step(directory: str, dp: int, fsdp: bool) -> dict[str, Any]:
+    """Other weights and an Adam of another learning rate, loaded from the checkpoint at another
+    layout (WORLD_SIZE / dp stages, sharded with ``fsdp``), then one step: its loss."""
+    from gpipe import load_checkpoint
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(99)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(6, 6), nn.Tanh())])
+    _, x, y, loss_fn = model_and_data("mlp")
+    pipe = Pipeline(model, even(len(model), world // dp), chunks=4, loss_fn=loss_fn, data_parallel=dp, fsdp=fsdp)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.5)
+    step = load_checkpoint(pipe, directory, optimizer=optimizer)
+    optimizer.zero_grad()
+    return {"step": step, "next": pipe.step(x, y)}

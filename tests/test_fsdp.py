@@ -1,0 +1,100 @@
+"""Pipelines whose stages are sharded over their data-parallel group (``Pipeline(fsdp=True)``):
+pp2 x fsdp2 on 4 gloo processes trains as the plain model does (loss and gradients), gathers each
+stage's parameters once per step and reduce-scatters its gradients once, and keeps 1/dp of the
+parameters, gradients and optimizer state on each rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe import Pipeline
+from tests import dist_fsdp
+from tests.dist_harness import run_ranks
+
+CASES = [
+    ("mlp", "zb-v"),
+    ("mlp", "interleaved-1f1b"),
+    ("mlp", "auto"),
+    ("transformer", "1f1b"),
+    ("transformer", "zb-h1"),
+    ("llama", "1f1b"),
+    ("llama", "zb-h1"),
+]
+
+
+def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor]:
+    return {n: g for r in ranks if r["dp_rank"] == dp_rank for n, g in r["grads"].items()}
+
+
+@pytest.mark.parametrize(("kind", "schedule"), CASES, ids=[f"{k}-{s}" for k, s in CASES])
+def test_sharded_pipeline_trains_as_the_plain_model(tmp_path: Path, kind: str, schedule: str) -> None:
+    steps, lr = 3, 1e-2
+    ranks = run_ranks("dist_fsdp:sharded_train", 4, tmp_path, kind=kind, schedule=schedule, dp=2, steps=steps, lr=lr)
+    plain = dist_fsdp.plain_run(kind, steps, lr)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        torch.testing.assert_close(r["losses"][0], plain["losses"][0], rtol=1e-6, atol=0)
+        # After Adam steps on gradients summed in another order: float noise, not a drift.
+        torch.testing.assert_close(torch.stack(r["losses"]), torch.stack(plain["losses"]), rtol=1e-5, atol=0)
+    for dp_rank in (0, 1):
+        merged = _merged(ranks, dp_rank)
+        assert set(merged) == set(plain["grads"])
+        for name, g in merged.items():
+            torch.testing.assert_close(g, plain["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_one_gather_and_one_reduce_per_stage_and_step(tmp_path: Path) -> None:
+    """A 1F1B step of 2 micro-batches on pp2 x fsdp2: per rank, one all-gather and one reduce-scatter
+    (its one stage), not one per micro-batch; a V schedule's rank holds two stages: two of each. The
+    schedule carries them as U, G and R actions."""
+    for schedule, stages in (("1f1b", 1), ("zb-v", 2)):
+        ranks = run_ranks("dist_fsdp:sharded_train", 4, tmp_path, kind="mlp", schedule=schedule, dp=2, steps=2, lr=0.1)
+        for r in ranks:
+            assert r["stages"] == stages
+            assert r["collectives"] == {"all_gather": stages, "reduce_scatter": stages}
+            kinds = [a[0] for a in r["actions"]]
+            assert kinds.count("U") == kinds.count("G") == kinds.count("R") == stages
+            assert kinds[0] == "U" and kinds[-1] == "R"
+
+
+def test_each_rank_keeps_its_share(tmp_path: Path) -> None:
+    """Parameters, gradients and Adam's two moments: a rank of pp2 x fsdp2 holds half of what a
+    rank of pp2 x dp2 (replicated) holds; the shards of a stage's two replicas add up to it."""
+    sharded = run_ranks("dist_fsdp:sharded_train", 4, tmp_path, kind="mlp", schedule="1f1b", dp=2, steps=1, lr=0.1)
+    replicated = run_ranks(
+        "dist_fsdp:sharded_train", 4, tmp_path, kind="mlp", schedule="1f1b", dp=2, steps=1, lr=0.1, fsdp=False
+    )
+    for s, r in zip(sharded, replicated):
+        assert r["elements"]["parameters"] == 2 * s["elements"]["parameters"] > 0
+        assert r["elements"]["gradients"] == 2 * s["elements"]["gradients"] > 0
+        assert r["elements"]["optimizer"] == 2 * s["elements"]["optimizer"] > 0
+
+
+def test_fsdp_needs_data_parallel_replicas() -> None:
+    model, _, _, loss_fn = dist_fsdp.model_and_data("mlp")
+    with pytest.raises(ValueError, match=r"fsdp=True shards .* data_parallel=1: give data_parallel >= 2"):
+        Pipeline(model, [16], chunks=2, loss_fn=loss_fn, fsdp=True)
+    with pytest.raises(TypeError, match=r"fsdp must be True or False \(fsdp: 'yes'\)"):
+        Pipeline(model, [16], chunks=2, loss_fn=loss_fn, fsdp="yes")  # type: ignore[arg-type]
+
+
+def test_checkpoints_move_between_sharded_and_replicated_layouts(tmp_path: Path) -> None:
+    """Saved at pp2 x fsdp2 (each replica writes its shards), resumed at pp2 x fsdp2, at pp4, and in
+    one process with 1 and 4 stages: the next step's loss is the uninterrupted run's."""
+    from tests import dist_cases
+
+    ckpt = str(tmp_path / "ckpt")
+    ranks = run_ranks("dist_fsdp:sharded_save", 4, tmp_path / "a", directory=ckpt, steps=2)
+    expected = ranks[0]["next"]
+    for dp, fsdp in ((2, True), (1, False)):
+        resumed = run_ranks("dist_fsdp:load_and_step", 4, tmp_path / f"b{dp}", directory=ckpt, dp=dp, fsdp=fsdp)
+        for r in resumed:
+            assert r["step"] == 2
+            torch.testing.assert_close(r["next"], expected, rtol=1e-6, atol=0)
+    for workers in (1, 4):
+        one = dist_cases.load_with_optimizer_and_step(ckpt, workers=workers)
+        torch.testing.assert_close(one["next"], expected, rtol=1e-6, atol=0)
