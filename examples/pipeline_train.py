@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/pipeline_train.py     # one process per stage (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2   # 2 replicas x 2 stages
     torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2 --fsdp   # ... each stage sharded over 2
+    torchrun --nproc-per-node 8 examples/pipeline_train.py --data-parallel 2 --fsdp --tensor-parallel 2
 
 Every process runs the same code: it builds the model on the meta device (each process materializes
 only its own stages), calls ``pipe.step(x, y)`` with the same global mini-batch, and gets the
@@ -18,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from gpipe import Pipeline
 
@@ -29,12 +31,13 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true", help="shard each stage over its data-parallel replicas")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="split each block over this many ranks")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    stages = max(2, world // args.data_parallel)
+    stages = max(2, world // (args.data_parallel * args.tensor_parallel))
     with torch.device("meta"):  # nothing is allocated until each process materializes its stages
-        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))])
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)])
     pipe = Pipeline(
         model,
         [len(model) // stages] * stages,
@@ -43,6 +46,9 @@ def main() -> None:
         loss_fn=F.mse_loss,
         data_parallel=args.data_parallel,
         fsdp=args.fsdp,
+        tensor_parallel=args.tensor_parallel,
+        # Megatron's split of each block: the first projection by output features, the second by input.
+        tp_plan={"0": ColwiseParallel(), "2": RowwiseParallel()},
     )
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     torch.manual_seed(0)

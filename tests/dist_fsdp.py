@@ -31,15 +31,16 @@ def _hf_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 def model_and_data(kind: str) -> tuple[nn.Sequential, Any, torch.Tensor, LossFn]:
     """A small model as layers (seeded: the same on every rank and in the test), a global batch of
-    16 and its loss. ``kind``: 'mlp', 'transformer' (gpipe's T(2, 64, 4)), 'llama' (a Hugging Face
-    Llama config traced by to_sequential)."""
+    16 and its loss. ``kind``: 'mlp', 'transformer' (gpipe's T(2, 64, 4), heads of 8: its own
+    attention, which tensor parallelism can split), 'llama' (a Hugging Face Llama config traced by
+    to_sequential)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if kind == "mlp":
         model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(6, 6), nn.Tanh())])
         return model, torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g), F.mse_loss
     if kind == "transformer":
-        model = transformer(2, 64, 4, dim=32, vocab=50, max_len=16, dropout=0.0)
+        model = transformer(2, 64, 4, dim=32, vocab=50, max_len=16, dropout=0.0, head_dim=8)
         src, tgt = torch.randint(1, 50, (16, 10), generator=g), torch.randint(1, 50, (16, 9), generator=g)
         return model, (src, tgt), torch.randint(1, 50, (16, 9), generator=g), _lm_loss
     if kind == "llama":
@@ -114,8 +115,11 @@ def by_layer(pipe: Pipeline, values: Callable[[nn.Parameter], torch.Tensor | Non
     return found
 
 
-def sharded_train(kind: str, schedule: str, dp: int, steps: int, lr: float, fsdp: bool = True) -> dict[str, Any]:
-    """dp replicas of a pipeline over WORLD_SIZE / dp ranks (sharded with ``fsdp``), ``steps`` Adam
+def sharded_train(
+    kind: str, schedule: str, dp: int, steps: int, lr: float, fsdp: bool = True, tp: int = 1
+) -> dict[str, Any]:
+    """dp replicas of a pipeline over WORLD_SIZE / dp ranks (sharded with ``fsdp``; each layer split
+    over ``tp`` ranks), ``steps`` Adam
     steps on the same global batch: the losses, the first step's gradients (whole, gathered over
     the replicas), the collectives of the second step, this rank's actions of the last step, and its
     parameter, gradient and optimizer-state elements."""
@@ -123,8 +127,8 @@ def sharded_train(kind: str, schedule: str, dp: int, steps: int, lr: float, fsdp
     model, x, y, loss_fn = model_and_data(kind)
     virtual = 2 if schedule in ("zb-v", "dualpipev", "interleaved-1f1b") else 1
     pipe = Pipeline(
-        model, even(len(model), world // dp * virtual), chunks=2, schedule=schedule, loss_fn=loss_fn,
-        data_parallel=dp, fsdp=fsdp, virtual=virtual,
+        model, even(len(model), world // (dp * tp) * virtual), chunks=2, schedule=schedule, loss_fn=loss_fn,
+        data_parallel=dp, fsdp=fsdp, virtual=virtual, tensor_parallel=tp,
     )  # fmt: skip
     optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
     losses, grads, counts = [], {}, {}

@@ -28,10 +28,12 @@ from gpipe.distributed import (
     Collectives,
     RankCollectives,
     StageSharding,
+    TpPlan,
     collective,
     start_heartbeat,
     tie_name,
 )
+from gpipe.distributed.tensor_parallel import parallelize
 from gpipe.runtime.context import LossFn
 from gpipe.runtime.executor import Executor
 from gpipe.runtime.partition import Layers, auto_balance, check_balance, partition, resolve_devices
@@ -99,6 +101,8 @@ def build(
     timeout: float = 60.0,
     data_parallel: int = 1,
     fsdp: bool = False,
+    tensor_parallel: int = 1,
+    tp_plan: TpPlan = "auto",
     init_seed: int = 0,
     sample: Any = None,
     tied: Sequence[Sequence[str]] = (),
@@ -112,6 +116,7 @@ def build(
         return _build_ranks(
             module, balance, schedule=schedule, chunks=chunks, loss_fn=loss_fn, devices=devices, virtual=virtual,
             deferred_batch_norm=deferred_batch_norm, timeout=timeout, data_parallel=data_parallel, fsdp=fsdp,
+            tensor_parallel=tensor_parallel, tp_plan=tp_plan,
             init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn,
         )  # fmt: skip
     if balance == "auto":
@@ -189,22 +194,28 @@ def _build_ranks(
     timeout: float,
     data_parallel: int,
     fsdp: bool,
+    tensor_parallel: int,
+    tp_plan: TpPlan,
     init_seed: int,
     sample: Any,
     tied: Sequence[Sequence[str]],
     init_fn: Callable[[nn.Module], None] | None,
 ) -> Engine:
-    """One rank of K (x data_parallel): this rank's stages on its device, the others on 'meta'
-    (``fsdp``: sharded over the data-parallel group)."""
-    world, me, dp = dist.get_world_size(), dist.get_rank(), data_parallel
-    if world % dp:
-        raise ValueError(f"the world size is not a multiple of data_parallel (world: {world}, data_parallel: {dp})")
+    """One rank of K (x data_parallel x tensor_parallel): this rank's stages on its device, the
+    others on 'meta' (``fsdp``: sharded over the data-parallel group; ``tensor_parallel``: each
+    layer with a plan split over the tp group)."""
+    world, me, dp, tp = dist.get_world_size(), dist.get_rank(), data_parallel, tensor_parallel
+    if world % (dp * tp):
+        raise ValueError(
+            f"the world size is not a multiple of data_parallel x tensor_parallel (world: {world}, "
+            f"data_parallel: {dp}, tensor_parallel: {tp}): start data_parallel x stages x tensor_parallel processes"
+        )
     if devices is not None and len(devices) != world:
         raise ValueError(
             f"under torch.distributed, devices lists one device per rank (devices: {len(devices)}, ranks: {world})"
         )
     start_heartbeat(timeout)
-    k = world // dp
+    k = world // (dp * tp)
     if balance == "auto":  # rank 0 times the layers (timings differ between processes; the balance must not)
         found: list[Any] = [auto_balance(module, k * virtual, sample, chunks) if me == 0 else None]
         with collective("broadcast of the automatic balance from rank 0"):
@@ -217,15 +228,19 @@ def _build_ranks(
             "run here; give one balance entry per stage"
         )
     device = torch.device(devices[me]) if devices is not None else _default_device()
+    shape, dims = ((dp, k, tp), ("dp", "pp", "tp")) if tp > 1 else ((dp, k), ("dp", "pp"))
     with collective("creation of the device mesh"):
-        mesh = init_device_mesh(device.type, (dp, k), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
     dp_group = mesh["dp"].get_group() if dp > 1 else None
     pp_group = mesh["pp"].get_group()
-    for group in (dp_group, pp_group):  # the mesh's groups wait 30 min by default
+    tp_group = mesh["tp"].get_group() if tp > 1 else None
+    for group in (dp_group, pp_group, tp_group):  # the mesh's groups wait 30 min by default
         if group is not None:
             _set_pg_timeout(timedelta(seconds=timeout), group)
-    replicas = mesh.mesh.tolist()
-    placement = Placement.distributed(placement_of(schedule, k, chunks, virtual), device, replicas, me)
+    # One pipeline per (dp, tp) coordinate: its ranks of the K workers (tp innermost, in rank order).
+    ranks = mesh.mesh.reshape(dp, k, tp)
+    pipelines = [ranks[d, :, t].tolist() for d in range(dp) for t in range(tp)]
+    placement = Placement.distributed(placement_of(schedule, k, chunks, virtual), device, pipelines, me)
     tied = with_shared(module, balance, tied)
     partitions, stages = _placed_stages(
         module, balance, placement, loss_fn, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
@@ -234,9 +249,13 @@ def _build_ranks(
     with collective("creation of the pipeline's process groups"):
         transport = ChannelTransport(placement, device, timeout=timeout)
     ties = _rank_ties(partitions, balance, tied, placement, timeout)
-    comm = RankCollectives(placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp)
+    comm = RankCollectives(
+        placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp, dp_rank=placement.replica // tp
+    )
     local = {s: partitions[s] for s in placement.local_stages}
-    sharding = StageSharding(local, mesh["dp"]) if fsdp else None  # after the ties' values agree
+    if tp > 1:  # after the ties' values agree; before FSDP shards what it split
+        _split_layers(local, mesh["tp"], tp_plan)
+    sharding = StageSharding(local, mesh["dp"]) if fsdp else None
     return Engine(
         placement,
         Executor(stages, placement, transport=transport, stage_wide=sharding.run if sharding else None),
@@ -248,6 +267,18 @@ def _build_ranks(
         planner_of(schedule, placement, virtual, comm, sharded=fsdp),
         sharding,
     )
+
+
+def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan) -> None:
+    """Split this rank's layers over the tp group; refuse a plan that splits no layer anywhere."""
+    split = torch.tensor([parallelize(local, mesh, plan)], dtype=torch.int64)
+    with collective("count of the layers tensor parallelism split"):
+        dist.all_reduce(split)
+    if int(split.item()) == 0:
+        raise ValueError(
+            f"tensor_parallel={mesh.size()}, but no layer of the model has a tensor-parallel plan (tp_plan='auto' "
+            "knows gpipe's Transformer layers and Hugging Face models with a base_model_tp_plan): give tp_plan="
+        )
 
 
 def _rank_ties(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gpipe.checkpoint import check_mode, checkpoint_stop
 from gpipe.distributed import init_from_env
+from gpipe.distributed.tensor_parallel import TpPlan, check_plan
 from gpipe.engine import build
 from gpipe.microbatch import batch_size, gather, scatter, scatter_pair
 from gpipe.runtime.context import LossFn, StepContext, loss_scale
@@ -73,6 +74,15 @@ class Pipeline(nn.Module):
             reduce-scattered once after its last backward, as actions of the schedule
             (:func:`gpipe.schedule.ir.sharded`). Needs ``data_parallel`` >= 2; the parameters
             are then ``DTensor`` shards (build the optimizer from ``pipe.parameters()``).
+        tensor_parallel: under torch.distributed, split each layer that has a plan over this many
+            ranks (world = data_parallel x K x tensor_parallel, a DeviceMesh ("dp", "pp", "tp")):
+            the tp ranks of a stage run it together on the same micro-batches.
+        tp_plan: how layers are split (:mod:`gpipe.distributed.tensor_parallel`): 'auto' (a
+            layer's own ``tensor_parallel_plan``, as gpipe's Transformer layers have, or the
+            Hugging Face model's ``base_model_tp_plan``: Llama, Qwen2, Mistral), a dict of
+            module-name patterns to ``torch.distributed.tensor.parallel`` styles, or a function
+            ``plan(layer, tp_mesh)``. Dropout between the two halves of a split pair draws per
+            rank: such a model is not bitwise partition-invariant with dropout.
         init_seed: the seed layers built here (factories, the meta device) are initialized from.
         sample: a mini-batch of inputs: to trace a module that is not an ``nn.Sequential`` (on its
             first micro-batch, what the first layer gets), and to time the layers for ``balance='auto'``.
@@ -99,6 +109,8 @@ class Pipeline(nn.Module):
         timeout: float = 60.0,
         data_parallel: int = 1,
         fsdp: bool = False,
+        tensor_parallel: int = 1,
+        tp_plan: TpPlan = "auto",
         init_seed: int = 0,
         sample: Any = None,
         tied: Sequence[Sequence[str]] = (),
@@ -122,6 +134,14 @@ class Pipeline(nn.Module):
                 f"data_parallel={data_parallel} needs torch.distributed (run under torchrun with "
                 f"data_parallel x stages processes)"
             )
+        if tensor_parallel > 1 and not distributed:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} needs torch.distributed (run under torchrun with "
+                f"data_parallel x stages x tensor_parallel processes)"
+            )
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel <= 0:
+            raise ValueError(f"tensor_parallel must be a positive integer (tensor_parallel: {tensor_parallel!r})")
+        check_plan(tp_plan)
         if not isinstance(fsdp, bool):
             raise TypeError(f"fsdp must be True or False (fsdp: {fsdp!r})")
         if fsdp and data_parallel < 2:
@@ -139,13 +159,14 @@ class Pipeline(nn.Module):
             as_layers(module, sample, self.chunks * data_parallel), as_balance(balance), schedule=schedule,
             chunks=self.chunks, loss_fn=loss_fn,
             devices=devices, virtual=virtual, cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm,
-            timeout=timeout, data_parallel=data_parallel, fsdp=fsdp, init_seed=init_seed, sample=sample,
-            tied=tied, init_fn=init_fn, distributed=distributed,
+            timeout=timeout, data_parallel=data_parallel, fsdp=fsdp, tensor_parallel=tensor_parallel,
+            tp_plan=tp_plan, init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn, distributed=distributed,
         )  # fmt: skip
         self.partitions = nn.ModuleDict({str(s): p for s, p in self.engine.partitions.items()})
         self.schedule = self.engine.planner.name
         self.balance, self.devices = self.engine.balance, self.engine.devices
         self.distributed, self.data_parallel, self.fsdp = distributed, data_parallel, fsdp
+        self.tensor_parallel = tensor_parallel
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
@@ -203,6 +224,14 @@ class Pipeline(nn.Module):
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)
+
+    def check_decodable(self) -> None:
+        """Refuse, in one line, a layout decoding does not support (replicas of the pipeline)."""
+        if self.data_parallel > 1 or self.tensor_parallel > 1:
+            raise NotImplementedError(
+                f"decoding a Pipeline with data_parallel={self.data_parallel}, "
+                f"tensor_parallel={self.tensor_parallel} is not supported: build one with neither to decode"
+            )
 
     def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...] = ()) -> Tensor:
         """A float tensor of ``shape`` (a scalar by default) known where the last stage runs
@@ -283,11 +312,7 @@ class Pipeline(nn.Module):
         feed's choices are made where the last stage runs."""
         if self.training:
             raise ValueError("decode a pipeline in evaluation mode: call pipe.eval() first")
-        if self.data_parallel > 1:
-            raise NotImplementedError(
-                f"decoding a Pipeline with data_parallel={self.data_parallel} is not supported: "
-                "build one without data parallelism to decode"
-            )
+        self.check_decodable()
         streams: Streams | None = None
         if self.distributed:
             from gpipe.distributed.channels import ChannelTransport

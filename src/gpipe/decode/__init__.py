@@ -60,11 +60,8 @@ def _check_model(model: Model, cache: bool | None) -> Pipeline | nn.Sequential |
             f"cache=True needs a model of gpipe's Transformer layers (an nn.Sequential or a Pipeline of "
             f"gpipe.models.transformer's layers) (model: {type(model).__name__}); use cache=None or False"
         )
-    if supported and isinstance(model, Pipeline) and model.data_parallel > 1:
-        raise NotImplementedError(
-            f"decoding a Pipeline with data_parallel={model.data_parallel} is not supported: "
-            "build one without data parallelism to decode"
-        )
+    if supported and isinstance(model, Pipeline):
+        model.check_decodable()
     if (cache is None or cache) and supported:
         assert isinstance(model, Pipeline | nn.Sequential)
         return model

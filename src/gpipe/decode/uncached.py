@@ -34,11 +34,7 @@ class Steps:
         self.src: int | None = None  # the last stage's global rank, under torch.distributed
         self.comm_device = torch.device("cpu")
         if isinstance(model, Pipeline) and model.distributed:
-            if model.data_parallel > 1:
-                raise NotImplementedError(
-                    f"decoding a Pipeline with data_parallel={model.data_parallel} is not supported: "
-                    "build one without data parallelism to decode"
-                )
+            model.check_decodable()
             placement = model.engine.placement
             self.src = placement.rank_of(placement.num_stages - 1)
             self.group = getattr(model.engine.comm, "pp_group", None)

@@ -22,7 +22,8 @@ The collectives outside the actions, the heartbeats and the store's host are des
 Part of the library: imports torch and gpipe's library modules, never the applications (train,
 data, models, ...). Modules: ``failure`` (the failure watch), ``channels`` (the transport),
 ``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
-decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP).
+decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP),
+``tensor_parallel`` (layers split over the tp group).
 """
 
 from gpipe.distributed.channels import ChannelTransport
@@ -30,6 +31,7 @@ from gpipe.distributed.collectives import Collectives, RankCollectives, tie_name
 from gpipe.distributed.failure import PipelineError, collective, start_heartbeat
 from gpipe.distributed.group import init_from_env
 from gpipe.distributed.sharding import StageSharding
+from gpipe.distributed.tensor_parallel import TpPlan
 
 __all__ = [
     "ChannelTransport",
@@ -37,6 +39,7 @@ __all__ = [
     "PipelineError",
     "RankCollectives",
     "StageSharding",
+    "TpPlan",
     "collective",
     "init_from_env",
     "start_heartbeat",

@@ -74,11 +74,19 @@ class RankCollectives(Collectives):
     """The collectives of a step as one rank of a pipeline (and of its data-parallel replicas)."""
 
     def __init__(
-        self, placement: Placement, device: torch.device, *, dp_group: Any, pp_group: Any, data_parallel: int
+        self,
+        placement: Placement,
+        device: torch.device,
+        *,
+        dp_group: Any,
+        pp_group: Any,
+        data_parallel: int,
+        dp_rank: int | None = None,
     ) -> None:
         self.placement, self.device = placement, device
         self.dp_group, self.pp_group = dp_group, pp_group
-        self.data_parallel, self.dp_rank = data_parallel, placement.replica
+        # (with tensor parallelism a pipeline per (dp, tp) coordinate: the replica is not the dp rank)
+        self.data_parallel, self.dp_rank = data_parallel, placement.replica if dp_rank is None else dp_rank
         self._comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def seed(self) -> int:

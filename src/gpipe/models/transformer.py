@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from gpipe.cache import LayerCache, layer_cache
 from gpipe.recipe import clip_logits
@@ -73,8 +74,8 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim) for _ in range(3))
         self.out_proj = nn.Linear(heads * head_dim, dim)
 
-    def _split(self, x: Tensor) -> Tensor:  # (B, T, H*d) -> (B, H, T, d)
-        return x.view(*x.shape[:-1], self.heads, self.head_dim).transpose(1, 2)
+    def _split(self, x: Tensor) -> Tensor:  # (B, T, H*d) -> (B, H, T, d); under tensor parallelism H/tp
+        return x.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -99,6 +100,29 @@ class Attention(nn.Module):
         )
         result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
         return result, None
+
+
+def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[str, ParallelStyle]:
+    """Megatron's split of a layer over ``tp`` ranks (``tensor_parallel_plan``, read by
+    ``gpipe.distributed.tensor_parallel``): the feed-forward's inner projection by output features,
+    its outer by input features; each attention's query, key and value projections by heads, its
+    output projection by input features. The dropout between a split pair then draws per rank."""
+    plan: dict[str, ParallelStyle] = {"ff.inner": ColwiseParallel(), "ff.outer": RowwiseParallel()}
+    for name in attentions:
+        attn = layer.get_submodule(name)
+        if not isinstance(attn, Attention):
+            raise ValueError(
+                f"{type(layer).__name__}.{name} is an nn.MultiheadAttention, whose fused projections tensor "
+                "parallelism cannot split: build the Transformer with head_dim=dim // heads (the same sizes)"
+            )
+        if attn.heads % tp:
+            raise ValueError(
+                f"tensor_parallel={tp} does not divide the {attn.heads} heads of {type(layer).__name__}.{name}: "
+                "give a tensor_parallel that divides the heads"
+            )
+        plan.update({f"{name}.{p}": ColwiseParallel() for p in ("q", "k", "v")})
+        plan[f"{name}.out_proj"] = RowwiseParallel()
+    return plan
 
 
 def _attention(dim: int, heads: int, dropout: float, head_dim: int | None) -> nn.Module:
@@ -199,6 +223,9 @@ class EncoderLayer(nn.Module):
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
+        return _split_plan(self, ("attn",), tp)
+
     def forward(self, inputs: Tuple) -> Tuple:
         x, src_pad, tgt = inputs
         if x is None:  # a decoding step after the first: nothing to encode
@@ -248,6 +275,9 @@ class DecoderLayer(nn.Module):
             self.cross_attn = _attention(dim, heads, dropout, head_dim)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
+        return _split_plan(self, ("self_attn", "cross_attn") if self.cross else ("self_attn",), tp)
 
     def _block(self, y: Tensor, tgt_pad: Tensor | None, memory: Tensor | None, src_pad: Tensor | None) -> Tensor:
         cache = layer_cache(self)
