@@ -114,7 +114,7 @@ def test_a_replica_lost_before_the_gradient_all_reduce_is_named_everywhere(tmp_p
     """dp=2 x pp=2: rank 3 dies before the all-reduce of its gradients; its replica peer (rank 1)
     loses it there, its stage peer (rank 2) in the loss's broadcast, rank 0 through the store."""
     lost = lose(tmp_path, 4, 3, "grads", "kill", dp=2)
-    check(lost, 3, TIMEOUT, "rank 3 is gone", "gloo")
+    check(lost, 3, TIMEOUT, "rank 3 (dp 1, pp 1) is gone", "gloo")  # with its coordinates on the mesh
     assert "the all-reduce of the gradients over the data-parallel replicas over ranks [1, 3]" in lost.outputs[1]
 
 

@@ -33,6 +33,7 @@ from gpipe.distributed import (
     start_heartbeat,
     tie_name,
 )
+from gpipe.distributed.failure import name_coordinates
 from gpipe.distributed.tensor_parallel import parallelize
 from gpipe.runtime.context import LossFn
 from gpipe.runtime.executor import Executor
@@ -237,6 +238,7 @@ def _build_ranks(
     for group in (dp_group, pp_group, tp_group):  # the mesh's groups wait 30 min by default
         if group is not None:
             _set_pg_timeout(timedelta(seconds=timeout), group)
+    name_coordinates(mesh.mesh.tolist(), dims)
     # One pipeline per (dp, tp) coordinate: its ranks of the K workers (tp innermost, in rank order).
     ranks = mesh.mesh.reshape(dp, k, tp)
     pipelines = [ranks[d, :, t].tolist() for d in range(dp) for t in range(tp)]

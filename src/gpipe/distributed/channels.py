@@ -30,6 +30,7 @@ from gpipe.distributed.failure import (
     PipelineError,
     _failing,
     _first_line,
+    _rank,
     _read_failure,
     _report_failure,
     _silent_ranks,
@@ -277,12 +278,12 @@ class ChannelTransport(Transport):
         """A transfer with ``peer`` failed: its socket closed (it is gone), or it timed out (it, or
         a rank it waits for, is stuck: the heartbeats tell which). This may run after the step
         failed, while the process group is torn down: nothing here asks the group."""
-        lost = f"rank {peer} is gone"
+        lost = f"{_rank(peer)} is gone"
         if _timed_out(exc):
             silent = None
             with contextlib.suppress(Exception):  # the store is gone: what it holds says so below
                 silent = _silent_ranks(timed_out=True)
-            lost = silent[0] if silent and silent[0] else f"rank {peer} is not responding"
+            lost = silent[0] if silent and silent[0] else f"{_rank(peer)} is not responding"
         me = self._world.rank
         self._report(f"{lost} (rank {me} lost its connection to rank {peer}: {_first_line(exc)})", exc)
         run.mailbox.fail(_read_failure(self._world, min(self.timeout, 2.0)) or lost)

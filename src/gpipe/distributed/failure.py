@@ -143,6 +143,30 @@ def _world() -> _World:
     return _World(dist.get_rank(), dist.get_world_size(), store, _store_host(store))
 
 
+_COORDINATES: dict[int, str] = {}
+"""Each rank's coordinates on the pipeline's device mesh (``dp 1, pp 0``), for the reports, when the
+mesh has more than the pipeline dimension (:func:`name_coordinates`)."""
+
+
+def name_coordinates(ranks: Sequence[Sequence[Any]] | Any, dims: Sequence[str]) -> None:
+    """Have failure reports name each rank with its mesh coordinates (``ranks``: the mesh's ranks, an
+    array of ``dims``' sizes), when a dimension besides "pp" has more than one rank."""
+    import numpy as np
+
+    grid = np.asarray(ranks)
+    _COORDINATES.clear()
+    if all(size == 1 for dim, size in zip(dims, grid.shape) if dim != "pp"):
+        return
+    for index in np.ndindex(*grid.shape):
+        _COORDINATES[int(grid[index])] = ", ".join(f"{d} {i}" for d, i in zip(dims, index))
+
+
+def _rank(r: int, word: str = "rank ") -> str:
+    """``rank 3``, or with its mesh coordinates ``rank 3 (dp 1, pp 1)``."""
+    where = _COORDINATES.get(r)
+    return f"{word}{r} ({where})" if where else f"{word}{r}"
+
+
 def _first_line(exc: BaseException) -> str:
     """An error's message without the C++ backtrace torch appends to some."""
     return str(exc).split("\nException raised from")[0].strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -155,7 +179,7 @@ def _store_lost(world: _World, exc: BaseException) -> str:
     state = _first_line(exc) if silent else f"the process group's store is unreachable ({_first_line(exc)})"
     if host is None or host == world.rank:
         return state
-    return f"rank {host} is {'not responding' if silent else 'gone'} ({state}; rank {host} hosts it)"
+    return f"{_rank(host)} is {'not responding' if silent else 'gone'} ({state}; rank {host} hosts it)"
 
 
 def _report_failure(store: Any, message: str, seconds: float = 2.0) -> None:
@@ -291,7 +315,7 @@ def _silent_ranks(timed_out: bool) -> tuple[str, str] | None:
     ranks, state = (stuck, "not responding" if timed_out else "gone") if stuck else (left, "gone")
     if not ranks:
         return "", ""
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    who = _rank(ranks[0]) if len(ranks) == 1 else f"ranks {', '.join(_rank(r, '') for r in ranks)}"
     return f"{who} {'is' if len(ranks) == 1 else 'are'} {state}", who
 
 
