@@ -98,3 +98,30 @@ def test_checkpoints_move_between_sharded_and_replicated_layouts(tmp_path: Path)
     for workers in (1, 4):
         one = dist_cases.load_with_optimizer_and_step(ckpt, workers=workers)
         torch.testing.assert_close(one["next"], expected, rtol=1e-6, atol=0)
+
+
+def test_tied_weights_across_sharded_stages(tmp_path: Path) -> None:
+    """The embedding on stage 0 and the output projection on stage 1 are one parameter: sharded,
+    their copies stay equal and train as the replicated run's."""
+    sharded = run_ranks("dist_fsdp:tied_train", 4, tmp_path / "s", steps=3, fsdp=True)
+    replicated = run_ranks("dist_fsdp:tied_train", 4, tmp_path / "r", steps=3, fsdp=False)
+    copies = {n: v for r in sharded for n, v in r["copies"].items()}
+    assert set(copies) == {"0.weight", "5.weight"}
+    assert torch.equal(copies["0.weight"], copies["5.weight"])
+    expected = {n: v for r in replicated for n, v in r["copies"].items()}
+    for name, value in copies.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7)
+    for s, r in zip(sharded, replicated):
+        torch.testing.assert_close(torch.stack(s["losses"]), torch.stack(r["losses"]), rtol=1e-6, atol=0)
+
+
+def test_dropout_draws_the_same_sharded_or_not(tmp_path: Path) -> None:
+    """Dropout's numbers follow (layer, micro-batch), not the layout: pp2 x fsdp2 gives pp2 x dp2's
+    losses and gradients bitwise."""
+    sharded = run_ranks("dist_fsdp:dropout_train", 4, tmp_path / "s", fsdp=True)
+    replicated = run_ranks("dist_fsdp:dropout_train", 4, tmp_path / "r", fsdp=False)
+    for s, r in zip(sharded, replicated):
+        assert all(torch.equal(a, b) for a, b in zip(s["losses"], r["losses"]))
+        assert s["grads"].keys() == r["grads"].keys() and s["grads"]
+        for name in s["grads"]:
+            assert torch.equal(s["grads"][name], r["grads"][name]), name

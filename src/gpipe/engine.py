@@ -258,6 +258,9 @@ def _build_ranks(
     if tp > 1:  # after the ties' values agree; before FSDP shards what it split
         _split_layers(local, mesh["tp"], tp_plan)
     sharding = StageSharding(local, mesh["dp"]) if fsdp else None
+    if tp > 1 or fsdp:
+        for tie in ties:
+            _find_copies(tie, partitions, balance, placement)
     return Engine(
         placement,
         Executor(stages, placement, transport=transport, stage_wide=sharding.run if sharding else None),
@@ -283,6 +286,16 @@ def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan) -> N
         )
 
 
+def _find_copies(tie: Tie, partitions: Sequence[nn.Sequential], balance: Sequence[int], placement: Placement) -> None:
+    """The tie's copies this rank holds, as its layers hold them now (splitting and sharding a layer
+    put new parameters in place of its own)."""
+    tie.local = [
+        layer_at(partitions, balance, i)[1].get_parameter(path)
+        for i, path in tie.members
+        if placement.holds(layer_at(partitions, balance, i)[0])
+    ]
+
+
 def _rank_ties(
     partitions: Sequence[nn.Sequential],
     balance: Sequence[int],
@@ -303,11 +316,7 @@ def _rank_ties(
                 group = dist.new_group(holders, timeout=timedelta(seconds=timeout)) if len(holders) > 1 else None
             if me in ranks:
                 tie.group, tie.owner = group, placement.rank_of(stages[0], ranks)
-        tie.local = [
-            layer_at(partitions, balance, i)[1].get_parameter(path)
-            for (i, path), s in zip(members, stages)
-            if placement.holds(s)
-        ]
+        _find_copies(tie, partitions, balance, placement)
         with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
             tie.sync_values()
         ties.append(tie)
