@@ -238,3 +238,60 @@ def dropout_train(fsdp: bool) -> dict[str, Any]:
             grads = by_layer(pipe, lambda p: None if p.grad is None else _full(p.grad).clone())
         optimizer.step()
     return {"losses": losses, "grads": grads}
+
+
+def split_save(directory: str, steps: int, dp: int = 1, fsdp: bool = False, tp: int = 2) -> dict[str, Any]:
+    """gpipe's Transformer at pp x dp x tp (WORLD_SIZE / (dp x tp) stages): Adam for ``steps``
+    steps, saved with its state, then one more step, whose loss a resumed run must see."""
+    from gpipe import save_checkpoint
+
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y, loss_fn = model_and_data("transformer")
+    pipe = Pipeline(
+        model, even(len(model), world // (dp * tp)), chunks=2, loss_fn=loss_fn, data_parallel=dp, fsdp=fsdp,
+        tensor_parallel=tp,
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        optimizer.step()
+    save_checkpoint(pipe, directory, steps, optimizer=optimizer)
+    optimizer.zero_grad()
+    return {"next": pipe.step(x, y)}
+
+
+def load_in_one_process(directory: str, workers: int) -> dict[str, Any]:
+    """Other weights, loaded from the checkpoint into ``workers`` stages in this process, then the
+    next step's loss."""
+    from gpipe import load_checkpoint
+
+    model, x, y, loss_fn = model_and_data("transformer")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # other weights: only the checkpoint can make the loss match
+    pipe = Pipeline(model, even(len(model), workers), chunks=2, loss_fn=loss_fn, devices=["cpu"] * workers)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.5)
+    step = load_checkpoint(pipe, directory, optimizer=optimizer)
+    optimizer.zero_grad()
+    return {"step": step, "next": pipe.step(x, y)}
+
+
+def split_load(directory: str, dp: int, fsdp: bool, tp: int) -> dict[str, Any]:
+    """Other weights, loaded from the checkpoint at pp x dp x tp (WORLD_SIZE / (dp x tp) stages),
+    then the next step's loss."""
+    from gpipe import load_checkpoint
+
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y, loss_fn = model_and_data("transformer")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    pipe = Pipeline(
+        model, even(len(model), world // (dp * tp)), chunks=2, loss_fn=loss_fn, data_parallel=dp, fsdp=fsdp,
+        tensor_parallel=tp,
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.5)
+    step = load_checkpoint(pipe, directory, optimizer=optimizer)
+    optimizer.zero_grad()
+    return {"step": step, "next": pipe.step(x, y)}

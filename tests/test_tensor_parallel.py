@@ -96,3 +96,22 @@ def test_refusals() -> None:
         Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel=2)
     with pytest.raises(ValueError, match=r"tensor_parallel must be a positive integer \(tensor_parallel: 0\)"):
         Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel=0)
+
+
+def test_checkpoints_move_between_split_and_whole_layouts(tmp_path: Path) -> None:
+    """Saved at pp2 x tp2 (each tp rank writes its halves of the split projections), resumed at
+    pp1 x tp2 and at pp1 x fsdp2 x tp2, and in one process with 1 and 3 stages: the uninterrupted
+    run's next loss."""
+    ckpt = str(tmp_path / "ckpt")
+    ranks = run_ranks("dist_fsdp:split_save", 4, tmp_path / "a", directory=ckpt, steps=2)
+    for world, dp in ((2, 1), (4, 2)):
+        moved = run_ranks(
+            "dist_fsdp:split_load", world, tmp_path / f"b{world}", directory=ckpt, dp=dp, fsdp=dp > 1, tp=2
+        )
+        for r in moved:
+            assert r["step"] == 2
+            torch.testing.assert_close(r["next"], ranks[0]["next"], rtol=1e-6, atol=0)
+    for workers in (1, 3):
+        resumed = dist_fsdp.load_in_one_process(ckpt, workers)
+        assert resumed["step"] == 2
+        torch.testing.assert_close(resumed["next"], ranks[0]["next"], rtol=1e-6, atol=0)
