@@ -165,25 +165,6 @@ def _logits(output: Any) -> Any:
     return getattr(output, "logits", output)
 
 
-def sharded_save(directory: str, steps: int) -> dict[str, Any]:
-    """pp x fsdp 2 (WORLD_SIZE / 2 stages): Adam for ``steps`` steps, saved with its state, then one
-    more step, whose loss a run resumed from the checkpoint must see."""
-    from gpipe import save_checkpoint
-
-    world = int(os.environ["WORLD_SIZE"])
-    model, x, y, loss_fn = model_and_data("mlp")
-    pipe = Pipeline(model, even(len(model), world // 2), chunks=4, loss_fn=loss_fn, data_parallel=2, fsdp=True)
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        pipe.step(x, y)
-        optimizer.step()
-    save_checkpoint(pipe, directory, steps, optimizer=optimizer)
-    optimizer.zero_grad()
-    next_loss = pipe.step(x, y)
-    return {"next": next_loss, "dp_rank": pipe.dp_rank}
-
-
 def load_and_step(directory: str, dp: int, fsdp: bool) -> dict[str, Any]:
     """Other weights and an Adam of another learning rate, loaded from the checkpoint at another
     layout (WORLD_SIZE / dp stages, sharded with ``fsdp``), then one step: its loss."""
@@ -240,15 +221,17 @@ def dropout_train(fsdp: bool) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def split_save(directory: str, steps: int, dp: int = 1, fsdp: bool = False, tp: int = 2) -> dict[str, Any]:
-    """gpipe's Transformer at pp x dp x tp (WORLD_SIZE / (dp x tp) stages): Adam for ``steps``
-    steps, saved with its state, then one more step, whose loss a resumed run must see."""
+def split_save(
+    directory: str, steps: int, kind: str = "transformer", dp: int = 1, fsdp: bool = False, tp: int = 2, chunks: int = 2
+) -> dict[str, Any]:
+    """``kind`` at pp x dp x tp (WORLD_SIZE / (dp x tp) stages, sharded with ``fsdp``): Adam for
+    ``steps`` steps, saved with its state, then one more step, whose loss a resumed run must see."""
     from gpipe import save_checkpoint
 
     world = int(os.environ["WORLD_SIZE"])
-    model, x, y, loss_fn = model_and_data("transformer")
+    model, x, y, loss_fn = model_and_data(kind)
     pipe = Pipeline(
-        model, even(len(model), world // (dp * tp)), chunks=2, loss_fn=loss_fn, data_parallel=dp, fsdp=fsdp,
+        model, even(len(model), world // (dp * tp)), chunks=chunks, loss_fn=loss_fn, data_parallel=dp, fsdp=fsdp,
         tensor_parallel=tp,
     )  # fmt: skip
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)

@@ -88,7 +88,9 @@ def test_checkpoints_move_between_sharded_and_replicated_layouts(tmp_path: Path)
     from tests import dist_cases
 
     ckpt = str(tmp_path / "ckpt")
-    ranks = run_ranks("dist_fsdp:sharded_save", 4, tmp_path / "a", directory=ckpt, steps=2)
+    ranks = run_ranks(
+        "dist_fsdp:split_save", 4, tmp_path / "a", directory=ckpt, steps=2, kind="mlp", dp=2, fsdp=True, tp=1, chunks=4
+    )
     expected = ranks[0]["next"]
     for dp, fsdp in ((2, True), (1, False)):
         resumed = run_ranks("dist_fsdp:load_and_step", 4, tmp_path / f"b{dp}", directory=ckpt, dp=dp, fsdp=fsdp)
