@@ -22,7 +22,11 @@ Metric names are those of ``OUT/metrics.jsonl`` and TensorBoard: ``eval_loss``,
 ``sample`` (text).
 
 Under torch.distributed every rank of the pipeline calls it alike and gets the same numbers: the
-last stage's rank computes the losses and chooses the tokens, and shares them.
+last stage's rank computes the losses and chooses the tokens, and shares them. With data parallelism
+(``Pipeline(data_parallel=d)``) each replica computes the losses of its share of every held-out batch
+and the sums are added up over the replicas, so the numbers are those of one replica of the whole
+batch (up to float rounding); BLEU and the sample are left out (:func:`decoding_left_out`), as
+decoding does not run on replicas of a pipeline.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
 from gpipe.decode import Chunk, decode_batches
+from gpipe.microbatch import scatter
 from gpipe.pipeline import Pipeline
 from gpipe.schedule import min_groups
 
@@ -43,6 +49,7 @@ __all__ = [
     "SAMPLE_TOKENS",
     "Prompted",
     "bleu",
+    "decoding_left_out",
     "evaluate",
     "resource_groups",
     "sample",
@@ -127,22 +134,78 @@ def evaluate(
     target, reduction=...)``: the training loss; ``batch``: sentences or images per forward;
     ``cross_entropy``: a causal LM's loss without label smoothing, alike (``eval_perplexity``)."""
     pipe.eval()
+    decodes = decoding_left_out(pipe, data) is None
     try:
         if isinstance(data, TranslationDataset):
-            return {**_translation(pipe, data, loss_fn, batch=batch, beam=beam, length_penalty=length_penalty)}
+            return {
+                **_translation(
+                    pipe, data, loss_fn, batch=batch, beam=beam, length_penalty=length_penalty, decodes=decodes
+                )
+            }
         result: dict[str, float | str] = {
             **_batches(pipe, data, loss_fn, batch=batch, batches=batches, cross_entropy=cross_entropy)
         }
-        if isinstance(data, Prompted) and pipe.generation is not None:
+        if isinstance(data, Prompted) and pipe.generation is not None and decodes:
             result["sample"] = sample(pipe, data)
         return result
     finally:
         pipe.train()
 
 
+def decoding_left_out(pipe: Pipeline, data: Dataset) -> str | None:
+    """What :func:`evaluate` leaves out of ``pipe``'s evaluations on ``data`` (``'BLEU'``, ``'sample
+    generation'``), or None: with data parallelism it does not decode, as ``gpipe.decode`` and
+    ``Pipeline.generate`` refuse replicas of a pipeline."""
+    if pipe.data_parallel == 1:
+        return None
+    if isinstance(data, TranslationDataset):
+        return "BLEU"
+    if isinstance(data, Prompted) and pipe.generation is not None:
+        return "sample generation"
+    return None
+
+
+def _share(pipe: Pipeline, value: Tensor) -> Tensor:
+    """This replica's rows of ``value``: what ``pipe(inputs)`` returns the outputs of (all of them
+    without data parallelism), split as the pipeline splits a batch among its replicas."""
+    if pipe.data_parallel == 1:
+        return value
+    rows: Tensor = scatter(value, pipe.data_parallel)[pipe.dp_rank].value
+    return rows
+
+
+def _shareable(pipe: Pipeline, inputs: Any, target: Tensor, ignore: int) -> tuple[Any, Tensor]:
+    """``inputs`` and ``target`` (rows of a held-out batch) with rows added, copies of the first
+    whose targets are all ``ignore`` (they count for nothing), where the replicas would otherwise not
+    get one share each (fewer rows than replicas, or 5 rows over 4 replicas: 3 shares)."""
+    d, rows = pipe.data_parallel, target.size(0)
+    if len(scatter(target, d)) == d:
+        return inputs, target
+    extra = math.ceil(rows / d) * d - rows
+
+    def grow(t: Tensor) -> Tensor:
+        return torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
+
+    grown = tuple(grow(t) for t in inputs) if isinstance(inputs, tuple) else grow(inputs)
+    return grown, torch.cat([target, target.new_full((extra, *target.shape[1:]), ignore)])
+
+
+def _summed(pipe: Pipeline, value: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+    """Sums (float, of ``shape``) known where each replica's last stage runs (``None`` elsewhere),
+    added up over the data-parallel replicas, on every rank (float64 with replicas)."""
+    shared = pipe.from_last_stage(value, shape)  # this replica's, on each of its ranks
+    if pipe.data_parallel == 1:
+        return shared
+    total = shared.double()
+    dist.all_reduce(total)  # over all ranks: each replica's sums once per rank it has, as many for each
+    return total / (dist.get_world_size() // pipe.data_parallel)
+
+
 def _batches(
     pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batches: int, cross_entropy: Loss | None
 ) -> dict[str, float]:
+    if pipe.data_parallel > 1:
+        return _replicated_batches(pipe, data, loss_fn, batch=batch, batches=batches, cross_entropy=cross_entropy)
     images = data.unit == "images"
     losses, correct = [], []
     total, tokens = torch.zeros((), dtype=torch.float64), 0  # cross_entropy's sum and its tokens
@@ -162,6 +225,39 @@ def _batches(
     if cross_entropy is not None:
         mean = pipe.from_last_stage((total / max(tokens, 1)).float() if losses else None)  # (float32 on all ranks)
         result["eval_perplexity"] = math.exp(float(mean))
+    return result
+
+
+def _replicated_batches(
+    pipe: Pipeline, data: Dataset, loss_fn: Loss, *, batch: int, batches: int, cross_entropy: Loss | None
+) -> dict[str, float]:
+    """:func:`_batches`'s metrics with replicas: per batch, each replica's loss sum, items (tokens
+    that are not padding, or images), correct images and cross-entropy sum, added up over the
+    replicas; a batch's loss is then its item mean, as one replica of the whole batch computes it."""
+    images = data.unit == "images"
+    ignore = -100 if images else PAD  # (the training loss's ignore_index, see gpipe.train.loop)
+    rows: list[Tensor] = []
+    for i in range(batches):
+        held = data.batch(batch, i, split="eval")
+        inputs, target = _shareable(pipe, held.inputs, held.target, ignore)
+        logits = pipe(inputs)  # this replica's rows, on its last stage's rank
+        if logits is not None:
+            target = _share(pipe, target)
+            counted = target != ignore
+            zero = torch.zeros(())
+            rows.append(torch.stack([
+                loss_fn(logits, target, reduction="sum").detach().float().cpu(),
+                counted.sum().float().cpu(),
+                ((logits.argmax(-1) == target) & counted).sum().float().cpu() if images else zero,
+                cross_entropy(logits, target, reduction="sum").detach().float().cpu() if cross_entropy else zero,
+            ]))  # fmt: skip
+    sums = _summed(pipe, torch.stack(rows) if rows else None, (batches, 4))
+    items = sums[:, 1].clamp(min=1)
+    result = {"eval_loss": float((sums[:, 0] / items).mean())}
+    if images:
+        result["eval_accuracy"] = float((sums[:, 2] / items).mean())
+    if cross_entropy is not None:
+        result["eval_perplexity"] = math.exp(float(sums[:, 3].sum() / items.sum()))
     return result
 
 
@@ -188,36 +284,49 @@ def sample(pipe: Pipeline, data: Prompted, *, max_new_tokens: int = SAMPLE_TOKEN
 
 
 def _translation(
-    pipe: Pipeline, data: TranslationDataset, loss_fn: Loss, *, batch: int, beam: int, length_penalty: float
+    pipe: Pipeline,
+    data: TranslationDataset,
+    loss_fn: Loss,
+    *,
+    batch: int,
+    beam: int,
+    length_penalty: float,
+    decodes: bool = True,
 ) -> dict[str, float]:
     sets = data.held_out()
     names = sorted(sets)
-    means: list[Tensor] = []  # per pair: the token-mean loss, on the last stage's rank
+    sums: list[Tensor] = []  # per pair: the loss summed over its tokens, and the tokens, on the last stage's rank
     last = False
     for name in names:
         held = sets[name]
         total, tokens = torch.zeros(()), 0
         for first in range(0, len(held), batch):
             rows = slice(first, first + batch)
-            logits = pipe((held.source[rows], held.target_in[rows]))
+            inputs, target = _shareable(pipe, (held.source[rows], held.target_in[rows]), held.target_out[rows], PAD)
+            logits = pipe(inputs)
             if logits is not None:  # (the last stage's rank)
                 last = True
-                target = held.target_out[rows]
+                target = _share(pipe, target)
                 total += loss_fn(logits, target, reduction="sum").float()
                 tokens += int((target != PAD).sum())
-        means.append(total / max(tokens, 1))
-    shared = pipe.from_last_stage(torch.stack(means) if last else None, (len(names),))
+        sums.append(torch.stack([total, torch.tensor(float(tokens))]))
+    shared = _summed(pipe, torch.stack(sums) if last else None, (len(names), 2))
+    means = (shared[:, 0] / shared[:, 1].clamp(min=1)).float()  # (float32: one process's division, bitwise)
     result: dict[str, float] = {}
     groups = resource_groups(data.pair_sizes)
     scores: dict[str, float] = {}
     for i, name in enumerate(names):
-        result[f"eval_loss/{name}"] = float(shared[i])
+        result[f"eval_loss/{name}"] = float(means[i])
+        if not decodes:
+            continue
         held = sets[name]
         hypotheses = translate_held_out(
             pipe, held, data.detokenize, batch=batch, max_len=data.length, beam=beam, length_penalty=length_penalty
         )
         scores[name] = result[f"bleu/{name}"] = bleu(hypotheses, list(held.references))
     result["eval_loss"] = sum(result[f"eval_loss/{n}"] for n in names) / len(names)
+    if not scores:
+        return result
     result["bleu"] = sum(scores.values()) / len(scores)
     for group in ("high", "low"):
         members = [scores[n] for n in names if groups.get(n) == group]

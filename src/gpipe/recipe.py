@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "adafactor",
@@ -115,12 +116,15 @@ def adafactor(params: Iterable[nn.Parameter], lr: float = 1e-2, **kwargs: Any) -
 @torch.no_grad()
 def clip_grad_norm_per_parameter(params: Iterable[nn.Parameter], max_norm: float = 1.0) -> int:
     """Clip every parameter's gradient to norm ``max_norm`` on its own (the paper's per-parameter
-    clipping); returns how many were clipped."""
+    clipping); returns how many were clipped. A sharded parameter's gradient (a ``DTensor``, as
+    ``Pipeline(fsdp=True)``'s) is clipped by the norm of the whole gradient, reduced over its shards
+    (every rank holding a shard calls alike), not by its own shard's."""
     clipped = 0
     for p in params:
         if p.grad is None:
             continue
-        norm = float(p.grad.norm())
+        whole = p.grad.norm()  # (a shard's: its part of the norm, until reduced)
+        norm = float(whole.full_tensor() if isinstance(whole, DTensor) else whole)
         if norm > max_norm:
             p.grad.mul_(max_norm / (norm + 1e-6))
             clipped += 1

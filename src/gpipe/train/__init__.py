@@ -10,6 +10,7 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
     gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
+    torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
 
 Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair); metrics go to
 ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the curves to ``OUT/loss.png``; a checkpoint
@@ -18,9 +19,15 @@ the end, and on Ctrl-C. Batches and dropout are a pure function of (seed, step),
 reproduces the uninterrupted run's losses exactly, with another ``--partitions`` too. A resumed run keeps
 the settings it was started with; a flag given with ``--resume`` overrides one, and is named. An ``OUT``
 that holds an earlier run is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
+
+Under torchrun, ``--data-parallel D`` runs D replicas of the K-stage pipeline (D x K processes), each on
+1/D of every mini-batch, with the losses of D=1; ``--fsdp`` shards each stage's parameters, gradients and
+optimizer state over its D replicas. Checkpoints load into any layout: ``--resume`` may change
+``--partitions``, ``--data-parallel`` and ``--fsdp``. With D > 1, evaluations give the held-out losses
+but neither BLEU nor a sample (decoding does not run on replicated pipelines).
 """
 
-# An application: imports the library, gpipe.data, gpipe.models and its own modules (config, setup,
+# An application: imports the library, gpipe.data, gpipe.models and its own modules (config, layout, setup,
 # checkpoints, metrics, loop, progress); only the command line (gpipe.cli) and gpipe translate import it.
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 _GROUPS = {
     "model": ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
               "dropout", "logit_clip"),
-    "pipeline": ("partitions", "chunks", "schedule", "checkpoint", "threads"),
+    "pipeline": ("partitions", "data_parallel", "fsdp", "chunks", "schedule", "checkpoint", "threads"),
     "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length"),
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),

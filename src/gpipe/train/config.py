@@ -21,6 +21,7 @@ from gpipe.commands.args import UsageError
 from gpipe.models import hf
 from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
+from gpipe.train.layout import layout_error
 
 __all__ = [
     "DEFAULT_LAYERS",
@@ -160,7 +161,23 @@ class TrainConfig:
     dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
     logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
-    chunks: int = field(default=4, metadata={"help": "M: micro-batches per mini-batch"})
+    data_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "D: replicas of the pipeline under torchrun (D x K processes), each training on 1/D of every "
+            "mini-batch, their gradients summed: the losses of D=1"
+        },
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "with --data-parallel D >= 2: shard each stage's parameters, gradients and optimizer state over "
+            "its D replicas (FSDP2) instead of copying them; a rank keeps 1/D of them"
+        },
+    )
+    chunks: int = field(
+        default=4, metadata={"help": "M: micro-batches per mini-batch (per replica's share with --data-parallel)"}
+    )
     schedule: str = field(
         default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}, auto (planned from measured costs)"}
     )
@@ -273,8 +290,8 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "chunks", "batch", "steps",
-                    "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every",
+        positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel", "chunks",
+                    "batch", "steps", "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every",
                     "eval_sentences", "beam")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -307,11 +324,10 @@ class TrainConfig:
                 f"({formula}); use fewer partitions or more layers"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 and world != self.partitions:
-            raise ConfigError(
-                f"--partitions {self.partitions} differs from the {world} processes of torchrun: give "
-                f"--partitions {world}, or start torchrun with --nproc-per-node {self.partitions}"
-            )
+        error = layout_error(partitions=self.partitions, data_parallel=self.data_parallel, fsdp=self.fsdp,
+                             batch=self.batch, world=world)  # fmt: skip
+        if error is not None:
+            raise ConfigError(error)
         self._check_paths()
 
     def _check_hf(self) -> None:

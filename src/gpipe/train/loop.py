@@ -19,7 +19,7 @@ import torch
 from gpipe.balance import balance_by_flops
 from gpipe.data import PAD, TranslationDataset
 from gpipe.distributed import init_from_env
-from gpipe.evaluation import evaluate
+from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
@@ -133,9 +133,19 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         loss_count=count_tokens(PAD) if tokens else None,
         checkpoint=cfg.checkpoint,
         devices=None if distributed else ["cpu"] * cfg.partitions,
+        data_parallel=cfg.data_parallel,
+        fsdp=cfg.fsdp,
         init_seed=cfg.seed,
         cpu_threads=cfg.threads,
     )
+    if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
+        command = "translate" if left == "BLEU" else "generate"
+        print(
+            f"note: evaluations show no {left} with --data-parallel {cfg.data_parallel}: decoding does not run on "
+            f"replicas of a pipeline (the held-out losses are computed on all of them); decode a checkpoint with "
+            f"gpipe {command} --checkpoint {cfg.out}",
+            file=sys.stderr,
+        )
     optimizer = make_optimizer(cfg, pipe.parameters())
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)

@@ -4,7 +4,9 @@ resumed run keeps its own settings: the command line merges what a run saved in 
 (``run.json``) under the flags given (:func:`resumed_settings`); :func:`resume_point` then names every
 setting that differs from the run's (the flags that overrode it), refuses those that cannot change in the
 middle of a run (the model's size, its data, the optimizer) and a ``--steps`` before the checkpoint, and
-tells a finished run from one with steps left."""
+tells a finished run from one with steps left. The layout (``--partitions``, ``--data-parallel``,
+``--fsdp``) may change: a checkpoint loads into any; a sharded run resumed with ``--data-parallel 1``
+drops its ``--fsdp``."""
 
 from __future__ import annotations
 
@@ -118,7 +120,10 @@ def resumed_settings(given: dict[str, Any]) -> dict[str, Any]:
     if found is None:
         return given  # TrainConfig.check() refuses, naming the folder
     saved = {k: v for k, v in saved_settings(found).items() if k not in _INVOCATION}
-    return {**saved, **given}
+    settings = {**saved, **given}
+    if "fsdp" not in given and settings.get("data_parallel", 1) < 2:
+        settings["fsdp"] = False  # a sharded run resumed without replicas: nothing to shard over (named as changed)
+    return settings
 
 
 @dataclass(frozen=True)
