@@ -1,7 +1,8 @@
-"""`gpipe train --data-parallel D [--fsdp]` under torchrun: D replicas of a K-stage pipeline give the
-losses of one replica of the same global batch (training and held-out), write one set of metrics and
-checkpoints that resume in another layout; the layouts that cannot run are refused in one line, and
-per-parameter clipping clips a sharded gradient by its whole norm."""
+"""`gpipe train --data-parallel D [--fsdp] [--tensor-parallel T]` under torchrun: D replicas of a K-stage
+pipeline (and layers split over T ranks) give the losses of one replica of the same global batch
+(training and held-out), write one set of metrics and checkpoints that resume in another layout; the
+layouts that cannot run are refused in one line, and per-parameter clipping clips a sharded gradient
+by its whole norm."""
 
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def test_replicas_train_as_one_and_resume_in_another_layout(
     assert not any(k.startswith("bleu") for r in got for k in r)  # (decoding does not run on replicas)
     note = [line for line in done.stderr.splitlines() if line.startswith("note:")]
     assert note == [
-        "note: evaluations show no BLEU with --data-parallel 2: decoding does not run on replicas of a pipeline "
-        "(the held-out losses are computed on all of them); decode a checkpoint with gpipe translate --checkpoint "
-        f"{out}"
+        "note: evaluations show no BLEU with --data-parallel 2: decoding does not run on replicas or split layers "
+        "of a pipeline (the held-out losses are computed on all of them); decode a checkpoint with gpipe translate "
+        f"--checkpoint {out}"
     ]
     assert len(done.stdout.splitlines()) == 1 and done.stdout.startswith("step 4: loss "), done.stdout  # rank 0 alone
     step = out / "checkpoints" / "step-00000004"
@@ -110,6 +111,26 @@ def test_a_sharded_causal_lm_with_tied_weights_trains_as_one_replica(tmp_path: P
     same_numbers(rows(tmp_path / "d2"), one)
     assert "eval_perplexity" in rows(tmp_path / "d2")[-1] and "sample" in rows(tmp_path / "d1")[-1]
     assert "note: evaluations show no sample generation with --data-parallel 2" in done.stderr
+
+
+def test_a_llama_split_over_two_ranks_trains_as_one(tmp_path: Path) -> None:
+    """--model hf with a Llama config (its Hugging Face tensor-parallel plan): --partitions 2
+    --tensor-parallel 2 on 4 processes gives the losses of --partitions 2 on 2."""
+    transformers = pytest.importorskip("transformers")
+    from gpipe.train.config import TrainConfig
+    from gpipe.train.setup import hf_config, make_data
+
+    cfg = TrainConfig(model="hf")
+    vocab = hf_config(cfg, make_data(cfg)).vocab_size  # type: ignore[arg-type]
+    llama = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    (tmp_path / "llama.json").write_text(llama.to_json_string())
+    flags = ["--model", "hf", "--hf-config", str(tmp_path / "llama.json"), "--partitions", "2", "--steps", "2"]
+    gpipe_train(4, *flags, "--tensor-parallel", "2", "--eval-batches", "1", "--out", str(tmp_path / "t2"))
+    gpipe_train(2, *flags, "--eval-batches", "1", "--out", str(tmp_path / "t1"))
+    same_numbers(rows(tmp_path / "t2"), rows(tmp_path / "t1"))
 
 
 def clipped_shards() -> dict[str, torch.Tensor]:
@@ -148,6 +169,10 @@ def test_a_sharded_gradient_is_clipped_by_its_whole_norm(tmp_path: Path) -> None
          "--data-parallel replica (as torch.chunk splits it: 3 shares of up to 2 rows); give a --batch that is a "
          "multiple of 4"),
         ("4", ["--data-parallel", "0"], "error: --data-parallel must be positive (got 0)"),
+        (None, ["--tensor-parallel", "2"], "error: --tensor-parallel 2 splits each layer over 2 processes: start it "
+         "with torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 1 --tensor-parallel 2 ..."),
+        ("6", ["--tensor-parallel", "2"], "error: --data-parallel 1 x --partitions 2 x --tensor-parallel 2 needs 4 "
+         "processes, but torchrun started 6"),
     ],
 )  # fmt: skip
 def test_layouts_that_cannot_run_are_refused_in_one_line(

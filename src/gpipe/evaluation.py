@@ -156,7 +156,7 @@ def decoding_left_out(pipe: Pipeline, data: Dataset) -> str | None:
     """What :func:`evaluate` leaves out of ``pipe``'s evaluations on ``data`` (``'BLEU'``, ``'sample
     generation'``), or None: with data parallelism it does not decode, as ``gpipe.decode`` and
     ``Pipeline.generate`` refuse replicas of a pipeline."""
-    if pipe.data_parallel == 1:
+    if pipe.data_parallel == 1 and pipe.tensor_parallel == 1:
         return None
     if isinstance(data, TranslationDataset):
         return "BLEU"

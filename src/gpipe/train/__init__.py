@@ -52,7 +52,8 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 _GROUPS = {
     "model": ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
               "dropout", "logit_clip"),
-    "pipeline": ("partitions", "data_parallel", "fsdp", "chunks", "schedule", "checkpoint", "threads"),
+    "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
+                 "threads"),
     "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length"),
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),

@@ -175,6 +175,13 @@ class TrainConfig:
             "its D replicas (FSDP2) instead of copying them; a rank keeps 1/D of them"
         },
     )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "T: split each layer that has a tensor-parallel plan over T processes under torchrun (D x K x T "
+            "in all): --model hf with a Hugging Face plan (Llama, Qwen2, Mistral via --hf-config)"
+        },
+    )
     chunks: int = field(
         default=4, metadata={"help": "M: micro-batches per mini-batch (per replica's share with --data-parallel)"}
     )
@@ -290,9 +297,9 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel", "chunks",
-                    "batch", "steps", "warmup", "threads", "eval_every", "eval_batches", "checkpoint_every",
-                    "eval_sentences", "beam")  # fmt: skip
+        positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
+                    "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_every",
+                    "eval_batches", "checkpoint_every", "eval_sentences", "beam")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
@@ -325,7 +332,7 @@ class TrainConfig:
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         error = layout_error(partitions=self.partitions, data_parallel=self.data_parallel, fsdp=self.fsdp,
-                             batch=self.batch, world=world)  # fmt: skip
+                             batch=self.batch, world=world, tensor_parallel=self.tensor_parallel)  # fmt: skip
         if error is not None:
             raise ConfigError(error)
         self._check_paths()

@@ -1,9 +1,9 @@
 """The processes a run of ``gpipe train`` takes: ``--partitions`` K stages times ``--data-parallel`` D
-replicas of the pipeline, one process each under torchrun (world = D x K), ``--fsdp`` sharding each
-stage over its D replicas. :func:`layout_error` checks a layout against torchrun's world and the
-mini-batch and says what is wrong and the fix (:class:`~gpipe.train.config.TrainConfig` raises it);
-:func:`launch_line` is the torchrun line a layout
-needs."""
+replicas of the pipeline times ``--tensor-parallel`` T ranks splitting each layer, one process each
+under torchrun (world = D x K x T), ``--fsdp`` sharding each stage over its D replicas.
+:func:`layout_error` checks a layout against torchrun's world and the mini-batch and says what is
+wrong and the fix (:class:`~gpipe.train.config.TrainConfig` raises it); :func:`launch_line` is the
+torchrun line a layout needs."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import math
 __all__ = ["launch_line", "layout_error", "shares"]
 
 
-def launch_line(partitions: int, data_parallel: int, fsdp: bool = False) -> str:
+def launch_line(partitions: int, data_parallel: int, fsdp: bool = False, tensor_parallel: int = 1) -> str:
     """The torchrun command that runs ``gpipe train`` with this layout on one node."""
     sharded = " --fsdp" if fsdp else ""
+    split = f" --tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else ""
     return (
-        f"torchrun --nproc-per-node {partitions * data_parallel} -m gpipe train --partitions {partitions} "
-        f"--data-parallel {data_parallel}{sharded} ..."
+        f"torchrun --nproc-per-node {partitions * data_parallel * tensor_parallel} -m gpipe train "
+        f"--partitions {partitions} --data-parallel {data_parallel}{sharded}{split} ..."
     )
 
 
@@ -28,10 +29,25 @@ def shares(rows: int, replicas: int) -> int:
     return math.ceil(rows / size) if rows else 0
 
 
-def layout_error(*, partitions: int, data_parallel: int, fsdp: bool, batch: int, world: int) -> str | None:
+def layout_error(
+    *, partitions: int, data_parallel: int, fsdp: bool, batch: int, world: int, tensor_parallel: int = 1
+) -> str | None:
     """What is wrong with running ``partitions`` stages x ``data_parallel`` replicas (``fsdp``:
-    sharded) on a mini-batch of ``batch`` in a world of ``world`` processes (1: no torchrun), or None."""
-    k, d = partitions, data_parallel
+    sharded) x ``tensor_parallel`` on a mini-batch of ``batch`` in a world of ``world`` processes
+    (1: no torchrun), or None."""
+    k, d, t = partitions, data_parallel, tensor_parallel
+    if t > 1 and world <= 1:
+        return (
+            f"--tensor-parallel {t} splits each layer over {t} processes: start it with "
+            f"{launch_line(k, d, fsdp, t)} (or give --tensor-parallel 1 to train in one process)"
+        )
+    if t > 1 and world > 1 and world != d * k * t:
+        return (
+            f"--data-parallel {d} x --partitions {k} x --tensor-parallel {t} needs {d * k * t} processes, but "
+            f"torchrun started {world}: start torchrun with {d * k * t} processes in all, or change the three"
+        )
+    if t > 1:  # the world is right; the rest is the layout of one tp rank's pipelines
+        world //= t
     if fsdp and d < 2:
         return (
             f"--fsdp shards each stage over its --data-parallel replicas, but --data-parallel is {d}: give "

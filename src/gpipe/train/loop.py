@@ -135,15 +135,17 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         devices=None if distributed else ["cpu"] * cfg.partitions,
         data_parallel=cfg.data_parallel,
         fsdp=cfg.fsdp,
+        tensor_parallel=cfg.tensor_parallel,
         init_seed=cfg.seed,
         cpu_threads=cfg.threads,
     )
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
         command = "translate" if left == "BLEU" else "generate"
+        split = f" --tensor-parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
         print(
-            f"note: evaluations show no {left} with --data-parallel {cfg.data_parallel}: decoding does not run on "
-            f"replicas of a pipeline (the held-out losses are computed on all of them); decode a checkpoint with "
-            f"gpipe {command} --checkpoint {cfg.out}",
+            f"note: evaluations show no {left} with --data-parallel {cfg.data_parallel}{split}: decoding does not "
+            f"run on replicas or split layers of a pipeline (the held-out losses are computed on all of them); "
+            f"decode a checkpoint with gpipe {command} --checkpoint {cfg.out}",
             file=sys.stderr,
         )
     optimizer = make_optimizer(cfg, pipe.parameters())
