@@ -182,13 +182,18 @@ def load_and_step(directory: str, dp: int, fsdp: bool) -> dict[str, Any]:
 
 
 def tied_train(steps: int, fsdp: bool) -> dict[str, Any]:
-    """A tied embedding / output projection on the first and last of 2 stages, 2 replicas (sharded
-    with ``fsdp``), ``steps`` SGD steps with momentum: the losses and the two copies after them
-    (whole)."""
-    from tests.dist_cases import lm_data, lm_loss, tied_lm
+    """A tied embedding / output projection on the first and last of 2 stages, dropout between, 2
+    replicas (sharded with ``fsdp``), ``steps`` SGD steps with momentum: the losses and the two
+    copies after them (whole)."""
+    from tests.dist_cases import DIM, VOCAB, lm_data, lm_loss
 
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.Dropout(0.3), nn.Tanh(), nn.Linear(DIM, DIM),
+        nn.Linear(DIM, VOCAB, bias=False),
+    )  # fmt: skip
     pipe = Pipeline(
-        tied_lm(False), [3, 3], chunks=4, loss_fn=lm_loss, tied=[["0.weight", "5.weight"]], data_parallel=2, fsdp=fsdp
+        model, [3, 3], chunks=4, loss_fn=lm_loss, tied=[["0.weight", "5.weight"]], data_parallel=2, fsdp=fsdp
     )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
     x, y = lm_data()
@@ -199,26 +204,6 @@ def tied_train(steps: int, fsdp: bool) -> dict[str, Any]:
         optimizer.step()
     copies = by_layer(pipe, lambda p: _full(p.detach()).clone())
     return {"losses": losses, "copies": {n: v for n, v in copies.items() if n in ("0.weight", "5.weight")}}
-
-
-def dropout_train(fsdp: bool) -> dict[str, Any]:
-    """An MLP with dropout, pp2 x dp2 (sharded with ``fsdp``), 2 Adam steps: losses and the first
-    step's gradients (whole)."""
-    world = int(os.environ["WORLD_SIZE"])
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Dropout(0.3))])
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
-    pipe = Pipeline(model, even(8, world // 2), chunks=2, loss_fn=F.mse_loss, data_parallel=2, fsdp=fsdp)
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-    losses, grads = [], {}
-    for step in range(2):
-        optimizer.zero_grad()
-        losses.append(pipe.step(x, y))
-        if step == 0:
-            grads = by_layer(pipe, lambda p: None if p.grad is None else _full(p.grad).clone())
-        optimizer.step()
-    return {"losses": losses, "grads": grads}
 
 
 def split_save(
