@@ -46,6 +46,15 @@ def test_pipeline_times_tensor_parallel_trains_as_the_plain_model(tmp_path: Path
     assert held == sum(r["elements"]["gradients"] for r in ranks)
 
 
+def test_replicas_of_split_layers(tmp_path: Path) -> None:
+    """dp2 x tp2 replicated (one stage): the replicas all-reduce the split layers' shards."""
+    ranks = run_ranks(
+        "dist_fsdp:sharded_train", 4, tmp_path, kind="transformer", schedule="1f1b", dp=2, steps=3, lr=1e-2,
+        fsdp=False, tp=2,
+    )  # fmt: skip
+    _check(ranks, "transformer", 3, 1e-2)
+
+
 def test_pipeline_times_fsdp_times_tensor_parallel(tmp_path: Path) -> None:
     """pp2 x fsdp2 x tp2 on 8 processes (the slowest test here, ~1 min): the plain model's losses and
     gradients; one all-gather and one reduce-scatter per stage and step."""

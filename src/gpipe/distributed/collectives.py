@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from gpipe.distributed.failure import collective
 from gpipe.microbatch import batch_size, scatter
@@ -122,6 +123,8 @@ class RankCollectives(Collectives):
         already scaled by its share of the global mini-batch)."""
         if self.dp_group is None or not grads:
             return
+        # Split layers' gradients (tensor parallelism) are DTensors: a replica's peers hold the same shards.
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         with collective("all-reduce of the gradients over the data-parallel replicas", self.dp_group):
             dist.all_reduce(flat, group=self.dp_group)
