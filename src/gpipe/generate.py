@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.distributed import init_from_env
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, load
-from gpipe.translate import _input, _mib, _write, add_stage_flags, find_checkpoint
+from gpipe.translate import _input, _write, add_io_flags, add_stage_flags, find_checkpoint, report_cache_bytes
 
 __all__ = ["Generator", "Options", "main"]
 
@@ -288,18 +287,14 @@ class _Report:
 
     def close(self) -> None:
         self.bar.close()
-        if self.cache_bytes:
-            cached = ", ".join(f"stage {s}: {_mib(b)}" for s, b in sorted(self.cache_bytes.items()))
-            print(f"generated with caches of at most {cached} (this process's stages)", file=sys.stderr)
+        report_cache_bytes(self.cache_bytes, "generated")
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="gpipe generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
-    parser.add_argument("--input", help="a file of prompts, one a line (default: standard input)")
-    parser.add_argument("--output", help="the file to write the continuations to (default: standard output)")
+    add_io_flags(parser, "prompts", "continuations")
     parser.add_argument(
         "--max-new-tokens",
         type=int,

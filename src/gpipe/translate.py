@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -199,22 +199,29 @@ class _Report:
     def close(self, pipe: Pipeline) -> None:
         self.bar.close()
         trace = pipe.last_decode
-        if trace is not None and trace.cache_bytes:
-            cached = ", ".join(f"stage {s}: {_mib(b)}" for s, b in sorted(trace.cache_bytes.items()))
-            print(f"translated with caches of at most {cached} (this process's stages)", file=sys.stderr)
+        report_cache_bytes(trace.cache_bytes if trace is not None else {}, "translated")
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+def report_cache_bytes(cache_bytes: Mapping[int, int], done: str) -> None:
+    """On stderr, the most bytes the caches of this process's stages held (nothing without caches)."""
+    if cache_bytes:
+        cached = ", ".join(f"stage {s}: {b / 2**20:.1f} MiB" for s, b in sorted(cache_bytes.items()))
+        print(f"{done} with caches of at most {cached} (this process's stages)", file=sys.stderr)
+
+
+def add_io_flags(parser: ArgumentParser, lines: str, results: str) -> None:
+    """The flags of a command that decodes a run's checkpoint: the checkpoint, the file of ``lines``
+    and the file of ``results``."""
+    parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
+    parser.add_argument("--input", help=f"a file of {lines}, one a line (default: standard input)")
+    parser.add_argument("--output", help=f"the file to write the {results} to (default: standard output)")
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="gpipe translate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
-    parser.add_argument("--input", help="a file of sentences, one a line (default: standard input)")
-    parser.add_argument("--output", help="the file to write the translations to (default: standard output)")
+    add_io_flags(parser, "sentences", "translations")
     parser.add_argument("--to", help="the target language of lines without a <2xx> tag (default: the model's only one)")
     parser.add_argument("--beam", type=int, default=4, help="beam size; 1: greedy (default: 4)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha of the length penalty (default: 0.6)")

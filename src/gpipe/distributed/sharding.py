@@ -48,7 +48,7 @@ class StageSharding:
     U, G and R actions (:meth:`run`)."""
 
     def __init__(self, partitions: Mapping[int, nn.Module], mesh: DeviceMesh) -> None:
-        self.mesh, self._group = mesh, mesh.get_group()
+        self._group = mesh.get_group()
         self._holders: dict[int, FSDPModule] = {}
         for s, partition in partitions.items():
             if not any(True for _ in partition.parameters()):
@@ -60,11 +60,6 @@ class StageSharding:
             state: Any = fully_shard.state(holder)  # type: ignore[attr-defined]
             state._lazy_init()  # what FSDP's first forward would do (its root pre-forward)
             self._holders[s] = holder
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        """The stages with sharded parameters."""
-        return tuple(self._holders)
 
     def run(self, action: Action) -> None:
         """Run a stage-wide action of the schedule."""

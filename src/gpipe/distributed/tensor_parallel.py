@@ -104,13 +104,12 @@ def _check_divisible(layer: nn.Module, styles: Mapping[str, ParallelStyle], tp: 
         module = layer.get_submodule(name)
         if not isinstance(module, nn.Linear):
             continue
-        size, what = (
-            (module.out_features, "output")
-            if isinstance(style, ColwiseParallel)
-            else (module.in_features, "input")
-            if isinstance(style, RowwiseParallel)
-            else (0, "")
-        )
+        if isinstance(style, ColwiseParallel):
+            size, what = module.out_features, "output"
+        elif isinstance(style, RowwiseParallel):
+            size, what = module.in_features, "input"
+        else:
+            continue
         if size % tp:
             raise ValueError(
                 f"{where}: {name} ({module.in_features} -> {module.out_features}) is split by {what} features, "
@@ -125,7 +124,7 @@ def parallelize(partitions: Mapping[int, nn.Module], mesh: DeviceMesh, plan: TpP
     for s, partition in partitions.items():
         for index, layer in partition.named_children():
             where = f"layer {index} ({type(layer).__name__}) of stage {s}"
-            if callable(plan) and not isinstance(plan, str | Mapping):
+            if callable(plan):
                 plan(layer, mesh)
                 split += 1
                 continue
