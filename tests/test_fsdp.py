@@ -17,13 +17,14 @@ from tests.dist_harness import run_ranks
 
 CASES = [
     ("mlp", "zb-v"),
+    ("mlp", "interleaved-1f1b"),
     ("mlp", "auto"),
     ("transformer", "1f1b"),
     ("transformer", "zb-h1"),
     ("llama", "1f1b"),
     ("llama", "zb-h1"),
 ]
-STAGES = {"zb-v": 2}
+STAGES = {"zb-v": 2, "interleaved-1f1b": 2}
 """Stages a rank holds under a schedule (1 for the others)."""
 
 
