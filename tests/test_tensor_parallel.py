@@ -105,6 +105,8 @@ def test_refusals() -> None:
         Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel=2)
     with pytest.raises(ValueError, match=r"tensor_parallel must be a positive integer \(tensor_parallel: 0\)"):
         Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel must be a positive integer \(tensor_parallel: '2'\)"):
+        Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel="2")  # type: ignore[arg-type]
 
 
 def test_checkpoints_move_between_split_and_whole_layouts(tmp_path: Path) -> None:

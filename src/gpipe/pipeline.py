@@ -128,6 +128,8 @@ class Pipeline(nn.Module):
             )
         if not isinstance(data_parallel, int) or data_parallel <= 0:
             raise ValueError(f"data_parallel must be a positive integer (data_parallel: {data_parallel!r})")
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel <= 0:
+            raise ValueError(f"tensor_parallel must be a positive integer (tensor_parallel: {tensor_parallel!r})")
         distributed = init_from_env(timeout) and dist.get_world_size() > 1
         if data_parallel > 1 and not distributed:
             raise ValueError(
@@ -139,8 +141,6 @@ class Pipeline(nn.Module):
                 f"tensor_parallel={tensor_parallel} needs torch.distributed (run under torchrun with "
                 f"data_parallel x stages x tensor_parallel processes)"
             )
-        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel <= 0:
-            raise ValueError(f"tensor_parallel must be a positive integer (tensor_parallel: {tensor_parallel!r})")
         check_plan(tp_plan)
         if not isinstance(fsdp, bool):
             raise TypeError(f"fsdp must be True or False (fsdp: {fsdp!r})")
