@@ -9,9 +9,17 @@
 
 - :func:`transformer_lm` — decoder-only language model: ``Embedding ─ L x Block ─ Output``.
 
-Attention is ``nn.MultiheadAttention`` (heads of dim/A) unless ``head_dim`` is given: then every
-head is ``head_dim`` wide whatever the model dimension (the paper's 32-head models fit heads of 64
-in a 1024-wide model), computed with ``F.scaled_dot_product_attention``.
+Attention holds its weights in ``nn.MultiheadAttention`` (heads of dim/A) unless ``head_dim`` is
+given: then every head is ``head_dim`` wide whatever the model dimension (the paper's 32-head models
+fit heads of 64 in a 1024-wide model). Either way it is computed by :func:`attend`, one call of
+``F.scaled_dot_product_attention`` that keeps no (T, T) matrix: causal self-attention passes
+``is_causal`` and padding a (B, 1, 1, T) mask, so that PyTorch takes its fused kernels (flash on CPU,
+flash or memory-efficient on CUDA), which keep per head only the output and a log-sum-exp per query
+where the textbook computation keeps the scores and probabilities of every pair of positions. Two
+cases still need the (T, T) pairs: attention dropout on CPU (``attention_dropout``, by default
+``dropout``: PyTorch's CPU kernels for it are the unfused ones; CUDA's flash kernel draws the dropout
+itself), and a target whose padding is not all at its end (a causal mask combined with the padding,
+built only then: padding at the end cannot reach a real position through causal attention).
 
 Decoding keeps caches in the layers (:mod:`gpipe.cache`): with a cache current, the encoder runs
 once (a step after the first carries no source: ``None``, which the encoder layers pass on), each
@@ -28,7 +36,7 @@ output logits are clipped to ±``logit_clip`` (None: no clipping).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -38,7 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from gpipe.cache import LayerCache, layer_cache
 from gpipe.recipe import clip_logits
 
-__all__ = ["Attention", "parameter_count", "transformer", "transformer_lm"]
+__all__ = ["Attention", "attend", "parameter_count", "transformer", "transformer_lm"]
 
 Tuple = tuple[Any, ...]
 
@@ -66,16 +74,14 @@ class FeedForward(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention with heads of ``head_dim`` (not necessarily dim/heads), called like
     ``nn.MultiheadAttention`` with ``batch_first=True``: masks are True where attention is not
-    allowed; returns (output, None)."""
+    allowed; returns (output, None). Computed by :func:`attend` (``is_causal``: causal
+    self-attention without a mask)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, dropout: float) -> None:
         super().__init__()
         self.heads, self.head_dim, self.dropout = heads, head_dim, dropout
         self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim) for _ in range(3))
         self.out_proj = nn.Linear(heads * head_dim, dim)
-
-    def _split(self, x: Tensor) -> Tensor:  # (B, T, H*d) -> (B, H, T, d); under tensor parallelism H/tp
-        return x.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -85,21 +91,78 @@ class Attention(nn.Module):
         key_padding_mask: Tensor | None = None,
         need_weights: bool = False,
         attn_mask: Tensor | None = None,
+        is_causal: bool = False,
     ) -> tuple[Tensor, None]:
-        allowed: Tensor | None = None
-        if key_padding_mask is not None:
-            allowed = ~key_padding_mask[:, None, None, :]
-        if attn_mask is not None:
-            allowed = ~attn_mask if allowed is None else allowed & ~attn_mask
-        out = F.scaled_dot_product_attention(
-            self._split(self.q(query)),
-            self._split(self.k(key)),
-            self._split(self.v(value)),
-            attn_mask=allowed,
-            dropout_p=self.dropout if self.training else 0.0,
+        return attend(self, query, key, value, pad=key_padding_mask, causal=is_causal, mask=attn_mask), None
+
+
+def _projections(attn: nn.Module) -> tuple[Any, Any, Any, Any, int]:
+    """The query, key, value and output projections of ``attn`` as functions, and its heads' width."""
+    if isinstance(attn, Attention):
+        return attn.q, attn.k, attn.v, attn.out_proj, attn.head_dim
+    if not isinstance(attn, nn.MultiheadAttention) or not attn.batch_first or attn.bias_k is not None:
+        raise TypeError(f"attend takes gpipe's Attention or a batch_first nn.MultiheadAttention (got {attn})")
+    w, b = attn.in_proj_weight.chunk(3), attn.in_proj_bias.chunk(3) if attn.in_proj_bias is not None else (None,) * 3
+    q, k, v = (lambda x, w=w_, b=b_: F.linear(x, w, b) for w_, b_ in zip(w, b))
+    return q, k, v, attn.out_proj, attn.head_dim
+
+
+def _heads(x: Tensor, width: int) -> Tensor:  # (B, T, H*d) -> (B, H, T, d); under tensor parallelism H/tp
+    return x.view(*x.shape[:-1], -1, width).transpose(1, 2)
+
+
+def _padding_at_the_end(pad: Tensor) -> bool:
+    """Whether every row of ``pad`` (B, T; True: padding) is real tokens, then only padding. Told by
+    the values: on the meta device (cost estimates: no values) the usual case, padding at the end; while
+    torch.compile traces, no (the causal mask with the padding is right for any padding)."""
+    if pad.device.type == "meta":
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return not bool((pad[:, 1:] < pad[:, :-1]).any())
+
+
+def attend(
+    attn: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    pad: Tensor | None = None,
+    causal: bool = False,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """``attn`` (:class:`Attention` or a ``batch_first`` ``nn.MultiheadAttention``, whose weights it
+    uses) of ``query`` (B, T, D) over ``key`` and ``value`` (B, S, D), without a (T, S) matrix where
+    the kernels allow: ``pad`` (B, S) True for the keys not to attend to, ``causal``: query t attends to
+    keys up to t (self-attention), ``mask`` (T, S) or (B, 1, T, S) True where not allowed (a (T, S)
+    matrix given is a (T, S) matrix used). Dropout on the attention probabilities: ``attn``'s, in
+    training mode."""
+    q, k, v, out, width = _projections(attn)
+    if causal and mask is not None:
+        raise ValueError("attend: give causal or a mask, not both (put the causal pairs in the mask)")
+    if causal and pad is not None:
+        if _padding_at_the_end(pad):
+            pad = None  # no real query reaches it under causal attention
+        else:  # padding before real tokens: causal attention alone would let them see it
+            mask = torch.ones(query.size(1), key.size(1), dtype=torch.bool, device=query.device).triu(1)
+            causal = False
+    allowed = None if pad is None else ~pad[:, None, None, :]
+    if mask is not None:
+        allowed = ~mask if allowed is None else allowed & ~mask
+    if isinstance(attn, nn.MultiheadAttention) and query is key and key is value:
+        # self-attention: one matmul for the three projections, as nn.MultiheadAttention does
+        queries, keys, values = (
+            _heads(t, width) for t in F.linear(query, attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
         )
-        result: Tensor = self.out_proj(out.transpose(1, 2).flatten(2))
-        return result, None
+    else:
+        queries, keys, values = _heads(q(query), width), _heads(k(key), width), _heads(v(value), width)
+    dropout = cast(float, attn.dropout) if attn.training else 0.0
+    attended = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=allowed, dropout_p=dropout, is_causal=causal
+    )
+    result: Tensor = out(attended.transpose(1, 2).flatten(2))
+    return result
 
 
 def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[str, ParallelStyle]:
@@ -152,24 +215,6 @@ class _Embedding(nn.Module):
         return out
 
 
-def _causal(length: int, device: torch.device) -> Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)  # True: masked
-
-
-def _projections(attn: nn.Module) -> tuple[Any, Any, Any, Any, int]:
-    """The query, key, value and output projections of ``attn`` as functions, and its heads."""
-    if isinstance(attn, Attention):
-        return attn.q, attn.k, attn.v, attn.out_proj, attn.heads
-    assert isinstance(attn, nn.MultiheadAttention)
-    w, b = attn.in_proj_weight.chunk(3), attn.in_proj_bias.chunk(3) if attn.in_proj_bias is not None else (None,) * 3
-    q, k, v = (lambda x, w=w_, b=b_: F.linear(x, w, b) for w_, b_ in zip(w, b))
-    return q, k, v, attn.out_proj, attn.num_heads
-
-
-def _heads(x: Tensor, heads: int) -> Tensor:  # (B, T, H*d) -> (B, H, T, d)
-    return x.view(*x.shape[:-1], heads, x.size(-1) // heads).transpose(1, 2)
-
-
 def _attend_cached(
     attn: nn.Module, cache: LayerCache, prefix: str, query: Tensor, new: Tensor | None, pad: Tensor | None, causal: bool
 ) -> Tensor:
@@ -177,10 +222,10 @@ def _attend_cached(
     extended by those of ``new`` (B, T', D) if given; ``pad`` (B, T') marks the new keys not to
     attend to, ``causal``: the new queries are the last positions of the keys (a query attends to
     the keys up to its own position)."""
-    q, k, v, out, heads = _projections(attn)
+    q, k, v, out, width = _projections(attn)
     if new is not None:
-        keys = cache.extend(prefix + "k", _heads(k(new), heads), dim=2)
-        values = cache.extend(prefix + "v", _heads(v(new), heads), dim=2)
+        keys = cache.extend(prefix + "k", _heads(k(new), width), dim=2)
+        values = cache.extend(prefix + "v", _heads(v(new), width), dim=2)
         masked = cache.extend(
             prefix + "pad", pad if pad is not None else new.new_zeros(new.shape[:2], dtype=torch.bool), 1
         )
@@ -196,7 +241,7 @@ def _attend_cached(
     if causal and length > 1:
         later = torch.ones(length, total, dtype=torch.bool, device=query.device).triu(total - length + 1)
         allowed = ~later if allowed is None else allowed & ~later
-    attended = F.scaled_dot_product_attention(_heads(q(query), heads), keys, values, attn_mask=allowed)
+    attended = F.scaled_dot_product_attention(_heads(q(query), width), keys, values, attn_mask=allowed)
     result: Tensor = out(attended.transpose(1, 2).flatten(2))
     return result
 
@@ -215,11 +260,18 @@ class SourceEmbedding(nn.Module):
 
 class EncoderLayer(nn.Module):
     def __init__(
-        self, dim: int, hidden: int, heads: int, dropout: float, ff_scale: float, head_dim: int | None = None
+        self,
+        dim: int,
+        hidden: int,
+        heads: int,
+        dropout: float,
+        ff_scale: float,
+        head_dim: int | None = None,
+        attention_dropout: float | None = None,
     ) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = _attention(dim, heads, dropout, head_dim)
+        self.attn = _attention(dim, heads, dropout if attention_dropout is None else attention_dropout, head_dim)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
@@ -231,7 +283,7 @@ class EncoderLayer(nn.Module):
         if x is None:  # a decoding step after the first: nothing to encode
             return inputs
         h = self.norm1(x)
-        x = x + self.dropout(self.attn(h, h, h, key_padding_mask=src_pad, need_weights=False)[0])
+        x = x + self.dropout(attend(self.attn, h, h, h, pad=src_pad))
         x = x + self.dropout(self.ff(self.norm2(x)))
         return x, src_pad, tgt
 
@@ -265,14 +317,16 @@ class DecoderLayer(nn.Module):
         ff_scale: float,
         cross: bool,
         head_dim: int | None = None,
+        attention_dropout: float | None = None,
     ) -> None:
         super().__init__()
+        p = dropout if attention_dropout is None else attention_dropout
         self.norm1, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.self_attn = _attention(dim, heads, dropout, head_dim)
+        self.self_attn = _attention(dim, heads, p, head_dim)
         self.cross = cross
         if cross:
             self.norm2 = nn.LayerNorm(dim)
-            self.cross_attn = _attention(dim, heads, dropout, head_dim)
+            self.cross_attn = _attention(dim, heads, p, head_dim)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
@@ -284,12 +338,11 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             return self._cached(cache, y, tgt_pad, memory, src_pad)
         h = self.norm1(y)
-        mask = _causal(y.size(1), y.device)
-        y = y + self.dropout(self.self_attn(h, h, h, attn_mask=mask, key_padding_mask=tgt_pad, need_weights=False)[0])
+        y = y + self.dropout(attend(self.self_attn, h, h, h, pad=tgt_pad, causal=True))
         if self.cross:
+            assert memory is not None, "the decoder layer of an encoder-decoder needs the encoder's output"
             h = self.norm2(y)
-            attended = self.cross_attn(h, memory, memory, key_padding_mask=src_pad, need_weights=False)[0]
-            y = y + self.dropout(attended)
+            y = y + self.dropout(attend(self.cross_attn, h, memory, memory, pad=src_pad))
         out: Tensor = y + self.dropout(self.ff(self.norm3(y)))
         return out
 
@@ -366,16 +419,18 @@ def transformer(
     ff_init_scale: float | None = None,
     pad: int = 0,
     head_dim: int | None = None,
+    attention_dropout: float | None = None,
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
     ``heads`` attention heads (each ``head_dim`` wide; default dim/heads). Input: a tuple (source
-    tokens, target tokens), both (B, T); output: logits (B, T_target, vocab)."""
+    tokens, target tokens), both (B, T); output: logits (B, T_target, vocab). ``attention_dropout``:
+    on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix."""
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
     return nn.Sequential(
         SourceEmbedding(vocab, dim, max_len, dropout, pad),
-        *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim) for _ in range(layers)],
+        *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim, attention_dropout) for _ in range(layers)],
         TargetEmbedding(vocab, dim, max_len, dropout, pad),
-        *[DecoderLayer(dim, hidden, heads, dropout, scale, cross=True, head_dim=head_dim) for _ in range(layers)],
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
 
@@ -392,13 +447,14 @@ def transformer_lm(
     logit_clip: float | None = None,
     ff_init_scale: float | None = None,
     head_dim: int | None = None,
+    attention_dropout: float | None = None,
 ) -> nn.Sequential:
     """A decoder-only language model of ``layers`` blocks: input tokens (B, T), output logits
-    (B, T, vocab) predicting the next token."""
+    (B, T, vocab) predicting the next token. ``attention_dropout``: as :func:`transformer`'s."""
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
     return nn.Sequential(
         TokenEmbedding(vocab, dim, max_len, dropout),
-        *[DecoderLayer(dim, hidden, heads, dropout, scale, cross=False, head_dim=head_dim) for _ in range(layers)],
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, False, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
 
