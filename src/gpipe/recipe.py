@@ -73,7 +73,12 @@ def label_smoothing_loss(
     """Cross entropy against targets smoothed by ``smoothing`` (1 - ε on the label, ε spread
     uniformly over all classes), over the last dimension of ``logits``; tokens whose target is
     ``ignore_index`` do not count. ``reduction``: 'mean' over the counted tokens, or 'sum' (with
-    ``Pipeline(loss_count=count_tokens(ignore_index))``, the mini-batch's token mean)."""
+    ``Pipeline(loss_count=count_tokens(ignore_index))``, the mini-batch's token mean).
+
+    Computed in float32 at least: logits of a lower precision (bf16 or fp16, of a model run under
+    autocast) are cast to float32 first, so that the softmax, the loss and its gradient keep its precision."""
+    if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
+        logits = logits.float()
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)),
         target.reshape(-1),

@@ -28,6 +28,10 @@ the encoder's output, and the target embedding counts the positions seen, so tha
 only the new tokens' positions. Without a cache every layer computes the whole sequence, as in
 training.
 
+Under ``torch.autocast`` (``gpipe train --precision bf16``) the residual stream is in autocast's
+dtype from the embedding on: the values kept for backward and those sent between stages are bf16
+where the layers compute in it; the weights stay as they are (fp32 masters).
+
 The paper's two trainability tricks for deep models are built in: every feed-forward layer's
 initial weights are scaled down by the number of layers (``ff_init_scale``, default 1/L), and the
 output logits are clipped to ±``logit_clip`` (None: no clipping).
@@ -211,8 +215,12 @@ class _Embedding(nn.Module):
 
     def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:  # (B, T) -> (B, T, D)
         positions = torch.arange(offset, offset + tokens.size(1), device=tokens.device)
-        out: Tensor = self.dropout(self.tokens(tokens) * self.scale + self.positions(positions))
-        return out
+        out: Tensor = self.tokens(tokens) * self.scale + self.positions(positions)
+        kind = tokens.device.type
+        # Under autocast, the residual stream in its dtype (as the layers' outputs are).
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            out = out.to(torch.get_autocast_dtype(kind))
+        return self.dropout(out)  # type: ignore[no-any-return]
 
 
 def _attend_cached(

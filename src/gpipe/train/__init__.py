@@ -8,6 +8,7 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
     gpipe train --model hf --hf-config llama/config.json --data text.txt
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
+    gpipe train --precision bf16                  # activations in bfloat16 (autocast); weights, optimizer, loss fp32
     gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
     torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
@@ -40,7 +41,7 @@ from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
-from gpipe.train.config import ConfigError, ConfigTypeError, TrainConfig, read_config_file
+from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig, read_config_file
 from gpipe.train.loop import one_run, train
 from gpipe.train.resume import resumed_settings
 from gpipe.train.setup import translation_model
@@ -54,13 +55,15 @@ _GROUPS = {
               "dropout", "logit_clip"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
-    "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "seed"),
+    "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "precision",
+                 "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length"),
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
 }  # fmt: skip
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "data": "PATH", "vocab": "PATH",
-             "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE"}  # fmt: skip
+             "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE",
+             "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:

@@ -1,14 +1,13 @@
 """The settings of ``gpipe train``: :class:`TrainConfig` (its fields are the flags) and its checks,
-the errors they raise (:class:`ConfigError`, :class:`ConfigTypeError`), the choices (models,
-optimizers, schedules, ...) and the reading of a ``--config`` file (TOML or JSON)."""
+the errors they raise (:class:`ConfigError`, :class:`ConfigTypeError`, from :mod:`gpipe.train.checks`
+with the checks of one setting), the choices (models, optimizers, schedules, precisions, ...) and the
+reading of a ``--config`` file (TOML or JSON)."""
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib.util
 import json
-import math
 import os
 import tomllib
 import warnings
@@ -17,16 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.commands.args import UsageError
 from gpipe.models import hf
 from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
+from gpipe.train.checks import RANGES, ConfigError, ConfigTypeError, flag, typed
 from gpipe.train.layout import layout_error
+from gpipe.train.precision import PRECISIONS
 
 __all__ = [
     "DEFAULT_LAYERS",
     "MODELS",
     "OPTIMIZERS",
+    "PRECISIONS",
     "TENSORBOARD_MODES",
     "V_SCHEDULES",
     "ConfigError",
@@ -51,71 +52,8 @@ DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
 
 
-class ConfigError(UsageError):
-    """A bad setting of :class:`TrainConfig` (a flag, a config file's entry, a path), found before
-    the work it would spoil: ``gpipe train`` prints it as one line and exits with status 2. A
-    ``ValueError``; other exceptions, bugs, keep their traceback."""
-
-
-class ConfigTypeError(ConfigError, TypeError):
-    """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
-
-
-ConfigError.__module__ = ConfigTypeError.__module__ = "gpipe.train"  # their public name, which tracebacks print
-
 # The built-in models' size flags: --model hf takes its size from its config instead.
 _SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
-
-_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
-
-
-def _typed(name: str, value: Any, kind: str, where: str = "") -> Any:
-    """``value`` of setting ``name`` if it is of ``kind`` (``int`` given to a float setting becomes a
-    float); otherwise a :class:`ConfigTypeError` naming both. ``where``: the config file it came from."""
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-    }[kind]
-    if not ok:
-        fix = ""
-        if kind == "bool":
-            fix = f"; write {name} = true or {name} = false, without quotes (flags: --{_flag(name)}, --no-...)"
-        elif isinstance(value, str) and kind in ("int", "float"):
-            with contextlib.suppress(ValueError):
-                fix = f"; write {name} = {int(value) if kind == 'int' else float(value)}, without quotes"
-        place = f" in {where!r}" if where else ""
-        got = f"{value!r}, of type {type(value).__name__}"
-        raise ConfigTypeError(f"{name}{place} must be {_KINDS[kind]} (got {got}){fix}")
-    return float(value) if kind == "float" else value
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _positive(v: float) -> bool:
-    return 0 < v < math.inf
-
-
-def _nonnegative(v: float) -> bool:
-    return 0 <= v < math.inf
-
-
-def _probability(v: float) -> bool:
-    return 0 <= v < 1
-
-
-_RANGES = {
-    "lr": (_positive, "a positive finite number"),
-    "temperature": (_positive, "a positive finite number"),
-    "clip_norm": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
-    "logit_clip": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
-    "dropout": (_probability, "in [0, 1)"),
-    "label_smoothing": (_probability, "in [0, 1)"),
-    "length_penalty": (_nonnegative, "a finite number >= 0"),
-}
 
 
 @dataclass(kw_only=True)
@@ -199,6 +137,13 @@ class TrainConfig:
     warmup: int = field(default=30, metadata={"help": "warm-up steps of the inverse-sqrt schedule"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
     clip_norm: float = field(default=1.0, metadata={"help": "per-parameter gradient-norm clipping (0: none)"})
+    precision: str = field(
+        default="fp32",
+        metadata={
+            "help": f"the activations' precision: {', '.join(PRECISIONS)} (bf16: the step and the evaluations under "
+            "torch.autocast in bfloat16; the weights, their gradients, the optimizer and the loss stay float32)"
+        },
+    )
     temperature: float = field(
         default=5.0, metadata={"help": "T of the language-pair sampling (training batches and the vocabulary)"}
     )
@@ -278,7 +223,7 @@ class TrainConfig:
         (:class:`ConfigTypeError`, a ``TypeError``), a value out of range, or paths that cannot work
         (``--data``, ``--out``, ``--resume``): :class:`ConfigError`, a ``ValueError``."""
         for f in fields(self):
-            _typed(f.name, getattr(self, f.name), str(f.type))
+            typed(f.name, getattr(self, f.name), str(f.type))
         if self.model not in MODELS:
             raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.schedule not in (*SCHEDULES, "auto"):
@@ -297,15 +242,17 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
                     "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_every",
                     "eval_batches", "checkpoint_every", "eval_sentences", "beam")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
-        for name, (ok, requirement) in _RANGES.items():
+                raise ConfigError(f"--{flag(name)} must be positive (got {getattr(self, name)})")
+        for name, (ok, requirement) in RANGES.items():
             if not ok(getattr(self, name)):  # (NaN fails every comparison)
-                raise ConfigError(f"--{_flag(name)} must be {requirement} (got {getattr(self, name)})")
+                raise ConfigError(f"--{flag(name)} must be {requirement} (got {getattr(self, name)})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
         if self.layers < 0:
@@ -367,9 +314,9 @@ class TrainConfig:
         for name in _SIZE_FLAGS:
             if getattr(self, name) != defaults[name]:
                 raise ConfigError(
-                    f"--{_flag(name)} {getattr(self, name)} sizes the built-in models, not --model hf, whose size "
+                    f"--{flag(name)} {getattr(self, name)} sizes the built-in models, not --model hf, whose size "
                     "comes from --hf-config (a config.json: n_layer, n_embd, ...) or is the built-in GPT-2's; "
-                    f"leave --{_flag(name)} out"
+                    f"leave --{flag(name)} out"
                 )
         if self.hf_config and self.dropout:
             raise ConfigError(
@@ -492,5 +439,5 @@ def read_config_file(path: str) -> dict[str, Any]:
             close = difflib.get_close_matches(name, kinds, n=3)
             hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(kinds)}"
             raise ConfigError(f"unknown setting {key!r} in the config file {path!r}; {hint}")
-        settings[name] = _typed(key, value, kinds[name], where=path)
+        settings[name] = typed(key, value, kinds[name], where=path)
     return settings

@@ -28,6 +28,7 @@ from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.precision import autocast, check_supported
 from gpipe.train.resume import check_out, delete_results, resume_point
 from gpipe.train.setup import make_data, make_model, make_optimizer, process_rank
 
@@ -148,6 +149,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             f"decode a checkpoint with gpipe {command} --checkpoint {cfg.out}",
             file=sys.stderr,
         )
+    check_supported(cfg.precision, pipe.devices)
+    # --precision bf16: the step and the evaluations under autocast (the pipeline carries it to its stages);
+    # the parameters, and so their gradients, the clipping and the optimizer, stay float32.
+    precision = functools.partial(autocast, cfg.precision, pipe.devices)
     optimizer = make_optimizer(cfg, pipe.parameters())
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
@@ -171,7 +176,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             batch = data.batch(cfg.batch, step)
             began = time.perf_counter()
             optimizer.zero_grad()
-            loss = float(pipe.step(batch.inputs, batch.target))
+            with precision():
+                loss = float(pipe.step(batch.inputs, batch.target))
             if cfg.clip_norm:
                 clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
             # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
@@ -189,8 +195,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     "bubble": bubble,
                 }
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    last.update(
-                        evaluate(
+                    with precision():  # (the held-out losses of the model as it trains)
+                        held_out = evaluate(
                             pipe,
                             data,
                             loss_fn,
@@ -200,7 +206,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                             length_penalty=cfg.length_penalty,
                             cross_entropy=cross_entropy,
                         )
-                    )
+                    last.update(held_out)
                     shown = eval_postfix(last)
                 if process_rank() == 0:
                     with open(metrics_path, "a") as f:

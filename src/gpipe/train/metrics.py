@@ -25,12 +25,14 @@ def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
 
 
 def progress_bar(cfg: TrainConfig, start: int) -> Any:
-    """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds."""
+    """tqdm's bar on a terminal; in a log (standard error not a terminal), a line every few seconds.
+    Named ``gpipe train``, and ``gpipe train bf16`` with ``--precision bf16``."""
     if not cfg.progress or process_rank() != 0:
         return None
     from gpipe.train.progress import progress
 
-    return progress(cfg.steps, initial=start - 1, desc="gpipe train", unit="step")
+    desc = "gpipe train" if cfg.precision == "fp32" else f"gpipe train {cfg.precision}"  # (bf16: said on every line)
+    return progress(cfg.steps, initial=start - 1, desc=desc, unit="step")
 
 
 SAMPLE_SHOWN = 60

@@ -6,7 +6,8 @@ setting that differs from the run's (the flags that overrode it), refuses those 
 middle of a run (the model's size, its data, the optimizer) and a ``--steps`` before the checkpoint, and
 tells a finished run from one with steps left. The layout (``--partitions``, ``--data-parallel``,
 ``--fsdp``) may change: a checkpoint loads into any; a sharded run resumed with ``--data-parallel 1``
-drops its ``--fsdp``."""
+drops its ``--fsdp``. So may ``--precision`` (named, like ``--lr``): a checkpoint's weights and optimizer
+state are float32 whatever the run computed in."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from gpipe.train.config import ConfigError, TrainConfig, _flag, _typed, checkpoint_to_resume, newest_checkpoint
+from gpipe.train.checks import flag, typed
+from gpipe.train.config import ConfigError, TrainConfig, checkpoint_to_resume, newest_checkpoint
 
 __all__ = [
     "FIXED",
@@ -108,7 +110,7 @@ def saved_settings(checkpoint: Path) -> dict[str, Any]:
             "afresh with another --out"
         ) from None
     kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
-    return {k: _typed(k, v, kinds[k], where=str(path)) for k, v in config.items() if k in kinds}
+    return {k: typed(k, v, kinds[k], where=str(path)) for k, v in config.items() if k in kinds}
 
 
 def resumed_settings(given: dict[str, Any]) -> dict[str, Any]:
@@ -165,11 +167,11 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
             continue
         if name in FIXED:
             raise ConfigError(
-                f"--resume: --{_flag(name)} {now!r} differs from the run's {before!r}, and {FIXED[name]} cannot "
-                f"change in the middle of a run; leave --{_flag(name)} out to keep the run's, or start a new run "
+                f"--resume: --{flag(name)} {now!r} differs from the run's {before!r}, and {FIXED[name]} cannot "
+                f"change in the middle of a run; leave --{flag(name)} out to keep the run's, or start a new run "
                 "with another --out"
             )
-        changed.append(f"--{_flag(name)} {before} -> {now}")
+        changed.append(f"--{flag(name)} {before} -> {now}")
     if cfg.steps < step:
         raise ConfigError(
             f"--resume: --steps {cfg.steps} is before the checkpoint's step {step} ({found}); give --steps above "

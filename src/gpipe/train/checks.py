@@ -1,0 +1,80 @@
+"""The checks of one setting of ``gpipe train`` on its own, shared by the flags, a ``--config`` file and
+a resumed run's ``run.json``: the errors (:class:`ConfigError`, :class:`ConfigTypeError`), a value's
+type (:func:`typed`), the ranges of numbers (:data:`RANGES`) and a setting's flag (:func:`flag`).
+:class:`~gpipe.train.config.TrainConfig` checks the settings together."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+from gpipe.commands.args import UsageError
+
+__all__ = ["RANGES", "ConfigError", "ConfigTypeError", "flag", "typed"]
+
+
+class ConfigError(UsageError):
+    """A bad setting of :class:`TrainConfig` (a flag, a config file's entry, a path), found before
+    the work it would spoil: ``gpipe train`` prints it as one line and exits with status 2. A
+    ``ValueError``; other exceptions, bugs, keep their traceback."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type, such as ``steps = "ten"`` in a TOML file; also a ``TypeError``."""
+
+
+ConfigError.__module__ = ConfigTypeError.__module__ = "gpipe.train"  # their public name, which tracebacks print
+
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of setting ``name``, without its dashes: ``clip_norm`` -> ``clip-norm``."""
+    return name.replace("_", "-")
+
+
+def typed(name: str, value: Any, kind: str, where: str = "") -> Any:
+    """``value`` of setting ``name`` if it is of ``kind`` (``int`` given to a float setting becomes a
+    float); otherwise a :class:`ConfigTypeError` naming both. ``where``: the config file it came from."""
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        fix = ""
+        if kind == "bool":
+            fix = f"; write {name} = true or {name} = false, without quotes (flags: --{flag(name)}, --no-...)"
+        elif isinstance(value, str) and kind in ("int", "float"):
+            with contextlib.suppress(ValueError):
+                fix = f"; write {name} = {int(value) if kind == 'int' else float(value)}, without quotes"
+        place = f" in {where!r}" if where else ""
+        got = f"{value!r}, of type {type(value).__name__}"
+        raise ConfigTypeError(f"{name}{place} must be {_KINDS[kind]} (got {got}){fix}")
+    return float(value) if kind == "float" else value
+
+
+def _positive(v: float) -> bool:
+    return 0 < v < math.inf
+
+
+def _nonnegative(v: float) -> bool:
+    return 0 <= v < math.inf
+
+
+def _probability(v: float) -> bool:
+    return 0 <= v < 1
+
+
+RANGES = {
+    "lr": (_positive, "a positive finite number"),
+    "temperature": (_positive, "a positive finite number"),
+    "clip_norm": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "logit_clip": (_nonnegative, "a finite number >= 0 (0: no clipping)"),
+    "dropout": (_probability, "in [0, 1)"),
+    "label_smoothing": (_probability, "in [0, 1)"),
+    "length_penalty": (_nonnegative, "a finite number >= 0"),
+}
+"""The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
