@@ -57,6 +57,25 @@ def test_memory_model_predicts_what_a_step_keeps() -> None:
             assert 0.75 < q / p < 1.25, (remat, predicted, measured)
 
 
+def test_memory_model_in_bf16_halves_the_activations_and_counts_the_weight_copies_once() -> None:
+    """Under bf16 autocast a block keeps half the bytes per sample, plus the bf16 copies of its matmuls'
+    weights, which do not grow with the batch (2 bytes per weight)."""
+
+    def small(blocks: int) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return memory.transformer_lm(blocks, 128, 2, dim=32, vocab=64, max_len=16, dropout=0.0)
+
+    sample = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    fp32, bf16 = (memory.MemoryModel.measure(small, sample, p) for p in ("fp32", "bf16"))
+    assert 0.4 < bf16.per_sample[1] / fp32.per_sample[1] < 0.6, (fp32, bf16)
+    assert fp32.fixed[1] < 0.05 * fp32.per_sample[1]
+    block = small(1)[1]
+    matmul_weights = sum(m.weight.numel() + m.bias.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    matmul_weights += block.self_attn.in_proj_weight.numel() + block.self_attn.in_proj_bias.numel()
+    assert 1.5 * matmul_weights <= bf16.fixed[1] <= 2.1 * matmul_weights, (bf16.fixed, matmul_weights)
+    assert bf16.boundary == fp32.boundary / 2
+
+
 def test_launch_runs_the_pipelined_workload_on_two_processes() -> None:
     bench = Bench(quick=True, repeats=1)
     work = workloads(bench, batch=8)[0]

@@ -9,12 +9,15 @@ accumulator, as the paper counts) plus activations —
 - with re-materialization: the stage keeps its input for all M micro-batches, in(N), plus the
   activations of one micro-batch being re-computed, Σ a_l(N/M)  — the paper's O(N + L/K·N/M).
 
-a_l(n) is measured: the bytes autograd saves in layer l's forward on n samples (``ActivationMeter``).
-The largest model is the largest number of Transformer blocks (decoder-only, embedding on the first
-stage, output on the last) with every stage under the budget. *Measured*: that model is built and a
-real ``Pipeline`` step records each stage's peak activation bytes. *Projected*: the same model of
-memory for the paper's Transformer-L (model dim 2048, feed-forward 8192, 32 heads, vocabulary 32k,
-1024 tokens, batch 32) on 16 GB, from a_l measured on one sentence of the real layer.
+a_l(n) = f_l + n·s_l is measured: the bytes autograd saves in layer l's forward on one and on two
+samples (``ActivationMeter``); f_l, what does not grow with the batch, is under autocast the
+low-precision copies of the weights that the matmuls keep. The largest model is the largest number of
+Transformer blocks (decoder-only, embedding on the first stage, output on the last) with every stage
+under the budget. *Measured*: that model is built and a real ``Pipeline`` step records each stage's
+peak activation bytes. *Projected*: the same model of memory for the paper's Transformer-L (model dim
+2048, feed-forward 8192, 32 heads, vocabulary 32k, 1024 tokens, batch 32) on 16 GB, from a_l measured
+on one and two sentences of the real layer, with its activations in fp32 and in bf16 (autocast; the
+weights, their gradients and the optimizer's state stay fp32: the 12 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -40,22 +43,29 @@ PAPER_TRANSFORMER = {"naive-1": 3, "pipeline-1": 13, "pipeline-8": 103, "pipelin
 @dataclass(frozen=True)
 class MemoryModel:
     """Per-layer parameters and activation bytes of a decoder-only Transformer: embedding, block,
-    output; activation bytes per sample; ``boundary``: bytes of a block's input per sample."""
+    output; activation bytes per sample (``per_sample``) and per layer whatever the batch (``fixed``);
+    ``boundary``: bytes of a block's input per sample."""
 
     params: tuple[int, int, int]
     per_sample: tuple[float, float, float]
     boundary: float
     token_bytes: float
+    fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @classmethod
-    def measure(cls, build: Any, sample: torch.Tensor) -> MemoryModel:
-        """From a one-block model (``build(1)``) run on ``sample`` (n sequences of tokens)."""
+    def measure(cls, build: Any, sample: torch.Tensor, precision: str = "fp32") -> MemoryModel:
+        """From a one-block model (``build(1)``) run on the first one and two sequences of ``sample``,
+        under bf16 autocast with ``precision='bf16'``."""
         model = build(1)
-        n, seq = sample.shape
-        acts = layer_memory(model, sample, param_scale=0.0)
+        seq = sample.size(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            one, two = (layer_memory(model, sample[:n], param_scale=0.0) for n in (1, 2))
         params = tuple(sum(p.numel() for p in layer.parameters()) for layer in model)
         dim = model[0].tokens.embedding_dim
-        return cls(params, tuple(a / n for a in acts), seq * dim * 4.0, seq * 8.0)  # type: ignore[arg-type]
+        per_sample = tuple(b - a for a, b in zip(one, two))
+        fixed = tuple(max(a - s, 0.0) for a, s in zip(one, per_sample))
+        width = 2.0 if precision == "bf16" else 4.0
+        return cls(params, per_sample, seq * dim * width, seq * 8.0, fixed)  # type: ignore[arg-type]
 
     def parameters(self, blocks: int) -> int:
         """The parameters of a model of ``blocks`` blocks."""
@@ -76,11 +86,12 @@ class MemoryModel:
         out = []
         for k, kinds in enumerate(self.stages(blocks, partitions)):
             params = BYTES_PER_PARAM * sum(self.params[i] for i in kinds)
+            fixed = sum(self.fixed[i] for i in kinds)
             if remat:
                 kept = batch * (self.token_bytes if k == 0 else self.boundary)
-                acts = kept + sum(self.per_sample[i] for i in kinds) * batch / chunks
+                acts = fixed + kept + sum(self.per_sample[i] for i in kinds) * batch / chunks
             else:
-                acts = sum(self.per_sample[i] for i in kinds) * batch
+                acts = fixed + sum(self.per_sample[i] for i in kinds) * batch
             out.append((float(params), acts))
         return out
 
@@ -126,7 +137,7 @@ def run(bench: Bench, out: Path) -> Section:
     batch, seq, chunks = 32, 32, 8
 
     def small(blocks: int) -> nn.Sequential:
-        return transformer_lm(blocks, 512, 4, dim=128, vocab=256, max_len=seq, dropout=0.1)
+        return transformer_lm(blocks, 512, 4, dim=128, vocab=256, max_len=seq, dropout=0.1, attention_dropout=0.0)
 
     sample = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     model = MemoryModel.measure(small, sample[:4])
@@ -170,33 +181,42 @@ def run(bench: Bench, out: Path) -> Section:
 
 
 def _projection(bench: Bench, data: dict[str, Any]) -> list[str]:
-    """The paper's Transformer-L on 16 GB, from the real layer's activations on one sentence."""
+    """The paper's Transformer-L on 16 GB, from the real layer's activations on one and two sentences,
+    in fp32 and in bf16."""
     seq, batch, chunks = 1024, 32, 32
 
     def big(blocks: int) -> nn.Sequential:
-        return transformer_lm(blocks, 8192, 32, dim=2048, vocab=32000, max_len=seq, dropout=0.1)
+        return transformer_lm(blocks, 8192, 32, dim=2048, vocab=32000, max_len=seq, dropout=0.1, attention_dropout=0.0)
 
     torch.manual_seed(0)
-    model = MemoryModel.measure(big, torch.randint(0, 32000, (1, seq)))
+    sample = torch.randint(0, 32000, (2, seq))
+    models = {precision: MemoryModel.measure(big, sample, precision) for precision in ("fp32", "bf16")}
     configs = [("naive-1", 1, False), ("pipeline-1", 1, True), ("pipeline-2", 2, True), ("pipeline-4", 4, True),
                ("pipeline-8", 8, True), ("pipeline-32", 32, True), ("pipeline-128", 128, True)]  # fmt: skip
     budget = 16 * 2.0**30
+    fp32, bf16 = models["fp32"], models["bf16"]
     lines = [
         f"Projected: the paper's Transformer-L (dim 2048, feed-forward 8192, 32 heads, vocabulary 32k, "
-        f"{seq} tokens, batch {batch}; M={chunks} for the pipelines) on 16 GB per stage, fp32 activations. "
-        f"Measured per sentence: a block keeps {model.per_sample[1] / 2**20:.0f} MiB, the output layer "
-        f"{model.per_sample[2] / 2**20:.0f} MiB; a block has {model.params[1] / 1e6:.1f}M parameters.",
+        f"{seq} tokens, batch {batch}; M={chunks} for the pipelines) on 16 GB per stage; residual dropout "
+        "0.1, none on the attention probabilities (attention then keeps no 1024 x 1024 matrix: "
+        "docs/models.md). Measured per sentence: a block keeps "
+        f"{fp32.per_sample[1] / 2**20:.0f} MiB in fp32, {bf16.per_sample[1] / 2**20:.0f} MiB in bf16 (and "
+        f"{bf16.fixed[1] / 2**20:.0f} MiB of bf16 weight copies whatever the batch); the output layer "
+        f"{fp32.per_sample[2] / 2**20:.0f} / {bf16.per_sample[2] / 2**20:.0f} MiB; a block has "
+        f"{fp32.params[1] / 1e6:.1f}M parameters (12 bytes each: fp32 weights, gradients, RMSProp's accumulator).",
         "",
-        "| config | blocks (gpipe) | parameters | blocks (paper) | parameters (paper) |",
-        "|---|---|---|---|---|",
+        "| config | blocks, fp32 | parameters | blocks, bf16 | parameters | blocks (paper) | parameters (paper) |",
+        "|---|---|---|---|---|---|---|",
     ]
     paper_params = {"naive-1": "282.2M", "pipeline-1": "785.8M", "pipeline-8": "5.3B", "pipeline-32": "21.0B",
                     "pipeline-128": "83.9B"}  # fmt: skip
-    data["projected"] = {}
+    data["projected"], data["projected_bf16"] = {}, {}
     for name, k, remat in configs:
-        blocks = model.largest(budget, k, batch, chunks if remat else 1, remat)
-        params = model.parameters(blocks)
-        data["projected"][name] = blocks
-        lines.append(f"| {name} | {blocks} | {params / 1e9:.2f}B | {PAPER_TRANSFORMER.get(name, '—')} "
+        cells = []
+        for key, model in (("projected", fp32), ("projected_bf16", bf16)):
+            blocks = model.largest(budget, k, batch, chunks if remat else 1, remat)
+            data[key][name] = blocks
+            cells.append(f"{blocks} | {model.parameters(blocks) / 1e9:.2f}B")
+        lines.append(f"| {name} | {' | '.join(cells)} | {PAPER_TRANSFORMER.get(name, '—')} "
                      f"| {paper_params.get(name, '—')} |")  # fmt: skip
     return lines
