@@ -50,7 +50,7 @@ from gpipe.runtime.planner import AutoPlanner
 from gpipe.schedule import kind_cost, render_timeline, simulate
 from gpipe.schedule.generate import SCHEDULES as GENERATORS
 
-VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}  # two stages per worker; the rest one
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}  # two stages per worker
 SCHEDULES = [(name, VIRTUAL.get(name, 1)) for name in GENERATORS] + [("auto", 1), ("auto", 2)]
 CHECKPOINTS = ["never", "always"]
 AUTO_WARMUP = 3  # steps before timing: the first two measure costs, the third runs the plan made from them

@@ -32,7 +32,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
 
 
-VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
 """Stages per worker a schedule runs with here (1 for the others)."""
 
 
@@ -739,3 +739,36 @@ def generate_llama() -> dict[str, Any]:
         "beam": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3),
         "sample": pipe.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, seed=5, groups=3),
     }
+
+
+def controllable_steps(chunks: int) -> dict[str, Any]:
+    """A step of 'v-half' and one of 'v-min' in one launch (tests/test_schedule_controllable.py):
+    each one's loss and this rank's gradients, by schedule."""
+    out: dict[str, Any] = {}
+    for schedule in ("v-half", "v-min"):
+        ran = step(schedule, chunks)
+        out[schedule] = {"loss": ran["losses"][0], "grads": ran["grads"]}
+    return out
+
+
+def selective_step(schedule: str, checkpoint: str, world: int | None = None) -> dict[str, Any]:
+    """One step of a small Transformer LM (dropout on) under ``checkpoint``: 'never', or 'selective'
+    (a gpipe.Selective policy, per layer and per operator; tests/test_selective_checkpoint.py): the
+    loss and this rank's gradients (one process: ``world`` workers on the CPU)."""
+    from gpipe import Selective
+    from gpipe.models import transformer_lm
+
+    torch.manual_seed(0)
+    model = transformer_lm(2, 64, 4, dim=32, vocab=50, max_len=16, dropout=0.1, head_dim=8)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 50, (8, 16), generator=g), torch.randint(0, 50, (8, 16), generator=g)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    policy: Any = Selective(layers={1, 3}, save_ops="matmuls") if checkpoint == "selective" else checkpoint
+    local = {} if world is None else {"devices": ["cpu"] * world, "cpu_threads": 1}
+    pipe = Pipeline(model, [2, 2], chunks=4, loss_fn=loss_fn, schedule=schedule, checkpoint=policy, **local)
+    torch.manual_seed(7)
+    loss = pipe.step(x, y)
+    return {"loss": loss, "grads": grads_of(pipe)}

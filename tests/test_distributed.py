@@ -59,7 +59,8 @@ def test_every_schedule_across_processes(tmp_path: Path, schedule: str, world: i
 
 
 def test_every_schedule_is_covered() -> None:
-    assert {s for s, _ in CASES} == set(gpipe.schedule.SCHEDULES)
+    # v-half and v-min run across processes in tests/test_schedule_controllable.py, both in one launch
+    assert {s for s, _ in CASES} | {"v-half", "v-min"} == set(gpipe.schedule.SCHEDULES)
 
 
 def test_auto_plans_alike_on_every_rank(tmp_path: Path) -> None:

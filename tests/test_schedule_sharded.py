@@ -40,7 +40,7 @@ from gpipe.schedule.ir import Action, G, R, U, dependencies, round_robin, v_shap
 
 FORWARD, UNSHARD, RESHARD, REDUCE_GRAD = (ActionKind.FORWARD, *STAGE_WIDE)
 COMPUTE = tuple(k for k in ActionKind if k not in STAGE_WIDE)
-VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
 
 
 def _cases() -> Iterator[tuple[str, int, int]]:

@@ -24,7 +24,7 @@ from gpipe.schedule.ir import Action, B, round_robin
 from gpipe.schedule.ir import F as Fwd
 from tests.helpers import assert_all_close, assert_all_equal, even
 
-VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
 """Stages per worker each schedule runs with here (1 for the others)."""
 
 BATCH, WIDTH = 16, 8

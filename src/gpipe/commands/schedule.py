@@ -2,6 +2,8 @@
 
     gpipe schedule --schedule 1f1b --stages 4 --chunks 8 [--virtual 2] [--out timeline.png]
 
+(the V schedules, zb-v, dualpipev, v-half and v-min, with ``--virtual 2``)
+
 prints the schedule's bubble and peak in-flight activations and draws its timeline;
 
     gpipe schedule --auto --stages 4 --chunks 8 --costs F=1,I=1,W=2,transfer=0.1 [--memory-cap 4]
@@ -41,7 +43,7 @@ from gpipe.schedule import (
     sharded,
     simulate,
 )
-from gpipe.schedule.ir import STAGE_WIDE, Action, round_robin
+from gpipe.schedule.ir import STAGE_WIDE, Action, round_robin, v_shape
 from gpipe.schedule.render import check_timeline_path
 from gpipe.schedule.simulate import Simulation
 
@@ -246,7 +248,9 @@ def _auto(args: argparse.Namespace) -> int:
             transfer=given.get("transfer", 0.0),
         )
         costs = dataclasses.replace(costs, jitter=given.get("jitter", 0.0))
-        result = plan(args.stages, args.chunks, costs, memory_cap=args.memory_cap)
+        # as Pipeline's 'auto': two stages per worker in a V (ZB-V, V-Half, V-Min among the candidates)
+        placement = v_shape(args.stages) if args.virtual == 2 else None
+        result = plan(args.stages, args.chunks, costs, memory_cap=args.memory_cap, placement=placement)
     except ValueError as exc:
         return refuse(exc)
     sim = result.simulation

@@ -71,6 +71,9 @@ backward frees one (K=2, M=4)::
     worker 0 | F0a F1a F2a F0b I0b W0b F1b F3a B1b B1b F2b B0a B0a B2b B2b F3b .   B1a B1a B3b B3b I2a W2a I3a W3a
     worker 1 | .   F0a F0b F1a F1b F2a B0b B0b F2b B0a B0a F3a B1b B1b F3b B1a B1a B2b B2b B2a B2a I3b I3a W3b W3a
     stage of each letter: worker 0 a=0 b=3, worker 1 a=1 b=2
+
+'v-half' and 'v-min' — the memory-controlled V schedules (half and a third of 1F1B's activation
+memory), built from a repeated building block in :mod:`gpipe.schedule.controllable`.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from gpipe.schedule.controllable import v_half, v_min
 from gpipe.schedule.ir import (
     Action,
     B,
@@ -99,6 +103,8 @@ __all__ = [
     "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
+    "v_half",
+    "v_min",
     "zb_h1",
     "zb_h2",
     "zb_v",
@@ -402,6 +408,8 @@ SCHEDULES: dict[str, Generator] = {
     "zb-h2": zb_h2,
     "zb-v": zb_v,
     "dualpipev": dualpipe_v,
+    "v-half": v_half,  # the memory-controlled V schedules: gpipe.schedule.controllable
+    "v-min": v_min,
 }
 
 

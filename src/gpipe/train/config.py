@@ -39,7 +39,7 @@ __all__ = [
     "read_config_file",
 ]
 
-V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per worker
+V_SCHEDULES = ("zb-v", "dualpipev", "v-half", "v-min")  # two stages per worker
 TENSORBOARD_MODES = ("auto", "on", "off")
 
 
