@@ -11,7 +11,7 @@ between them: docs/architecture.md.
 
 from gpipe import balance, batchnorm, skip  # torchgpipe's module paths: gpipe.balance, gpipe.skip, ...
 from gpipe.batchnorm import DeferredBatchNorm
-from gpipe.checkpoint import is_checkpointing, is_recomputing
+from gpipe.checkpoint import Selective, is_checkpointing, is_recomputing
 from gpipe.gpipe import GPipe, MovingPartitionError
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.planner import AutoSchedule
@@ -29,6 +29,7 @@ __all__ = [
     "Pipeline",
     "Schedule",
     "ScheduleError",
+    "Selective",
     "StepTrace",
     "ToSequentialError",
     "balance",

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gpipe.checkpoint import check_mode, checkpoint_stop
+from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop, selective
 from gpipe.distributed import Collectives
 from gpipe.engine import Engine, build
 from gpipe.microbatch import Batch, concat, flatten, gather, scatter
@@ -57,7 +57,8 @@ class GPipe(nn.Module):
             with its share of the intra-op threads.
         chunks: the number of micro-batches M a mini-batch is split into.
         checkpoint: which micro-batches are re-materialized: ``'always'``, ``'except_last'`` or
-            ``'never'``.
+            ``'never'``; or a :class:`gpipe.Selective` policy (not in torchgpipe): which layers, and
+            which operators' outputs they keep.
         deferred_batch_norm: normalize each micro-batch with its own statistics but update the
             running statistics once per mini-batch (see :class:`gpipe.DeferredBatchNorm`).
         cpu_threads: intra-op threads for each partition on a CPU device (not in torchgpipe).
@@ -82,14 +83,14 @@ class GPipe(nn.Module):
         *,
         devices: Sequence[torch.device | str | int] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: Checkpoint = "except_last",
         deferred_batch_norm: bool = False,
         cpu_threads: int | None = None,
         sample: Any = None,
     ) -> None:
         super().__init__()
         # As torchgpipe: chunks through int() (42.0, '8'), checkpoint through str(), then checked.
-        self.checkpoint = check_mode(str(checkpoint))
+        self.checkpoint = check_mode(checkpoint if isinstance(checkpoint, Selective) else str(checkpoint))
         self.chunks = _as_chunks(chunks)
         module = as_layers(module, sample, self.chunks)
         balance = as_balance(balance)  # (a NumPy array of counts: a list)
@@ -109,6 +110,8 @@ class GPipe(nn.Module):
                 cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm, sample=sample,
             )  # fmt: skip
         self.balance: list[int] = self.engine.balance
+        if isinstance(self.checkpoint, Selective):
+            self.checkpoint.check_layers(sum(self.balance))
         self.devices: list[torch.device] = self.engine.devices
         self.partitions = nn.ModuleList(self.engine.partitions[s] for s in sorted(self.engine.partitions))
 
@@ -159,6 +162,7 @@ class GPipe(nn.Module):
             ctx = StepContext.capture(
                 num_microbatches=len(batches),
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches)),
+                selective=selective(self.checkpoint),
                 training=self.training,
                 seed=step_seed(),
             )

@@ -5,18 +5,29 @@ micro-batch holds it, and on CPU there is no allocator to ask. This meter counts
 keeps for backward: the bytes of every tensor autograd saves (through ``saved_tensors_hooks``; each
 storage once per micro-batch, parameters excluded) plus a re-materialized micro-batch's kept input,
 from the forward that saves them to the backward (B, or W after a split backward) that frees them.
+
+Under a selective policy (:class:`gpipe.Selective`) a stage counts, through :func:`keep`, what it
+keeps beside autograd (a re-materialized layer's input, the operator outputs it keeps: autograd's
+own saving is dropped there by hooks of its own, which hide this meter's) until the recomputation
+takes the kept outputs back (:func:`forget`: what its graph saves of them is counted again), and a
+backward that frees a layer's recomputation right after that layer's backward counts it as
+:func:`transient`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["ActivationMeter"]
+__all__ = ["ActivationMeter", "forget", "keep", "transient"]
+
+# The recording on this thread: (meter, stage, micro-batch).
+_local = threading.local()
 
 
 class ActivationMeter:
@@ -63,8 +74,44 @@ class ActivationMeter:
             self._add(stage, microbatch, t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        before = getattr(_local, "active", None)
+        _local.active = (self, stage, microbatch)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            _local.active = before
+
+    @contextmanager
+    def _transient(self, stage: int, microbatch: int) -> Iterator[None]:
+        key = (stage, microbatch)
+        with self._lock:
+            seen = set(self._seen.get(key, ()))
+            held = self._held.get(key, 0)
+        try:
             yield
+        finally:
+            with self._lock:
+                now = self._held.get(key, 0)
+                self.stage_peak[stage] = max(self.stage_peak.get(stage, 0), now)
+                self._held[key] = held
+                self.live[self._worker_of[stage]] -= now - held
+                self._seen[key] = seen
+
+    def forget(self, stage: int, microbatch: int, tensors: Iterable[Tensor]) -> None:
+        """Stop counting tensors a stage no longer keeps itself (autograd's saving may count them again)."""
+        key = (stage, microbatch)
+        with self._lock:
+            seen = self._seen.get(key, set())
+            for t in tensors:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in seen:
+                    continue
+                seen.discard(ptr)
+                nbytes = min(storage.nbytes(), t.numel() * t.element_size())
+                self._held[key] -= nbytes
+                self.live[self._worker_of[stage]] -= nbytes
 
     def release(self, stage: int, microbatch: int) -> None:
         """The backward of ``microbatch`` on ``stage`` is done: its activations are freed."""
@@ -73,3 +120,28 @@ class ActivationMeter:
             self.stage_peak[stage] = max(self.stage_peak.get(stage, 0), held)
             self.live[self._worker_of[stage]] -= held
             self._seen.pop((stage, microbatch), None)
+
+
+def keep(tensors: Iterable[Tensor]) -> None:
+    """Count tensors a stage keeps beside autograd, in the recording on this thread (if any)."""
+    active = getattr(_local, "active", None)
+    if active is not None:
+        meter, stage, microbatch = active
+        meter.hold(stage, microbatch, tensors)
+
+
+def forget(tensors: Iterable[Tensor]) -> None:
+    """Stop counting, in the recording on this thread (if any), tensors a stage no longer keeps."""
+    active = getattr(_local, "active", None)
+    if active is not None:
+        meter, stage, microbatch = active
+        meter.forget(stage, microbatch, tensors)
+
+
+def transient() -> AbstractContextManager[None]:
+    """What the recording on this thread (if any) counts inside is freed at the end."""
+    active = getattr(_local, "active", None)
+    if active is None:
+        return nullcontext()
+    meter, stage, microbatch = active
+    return cast(AbstractContextManager[None], meter._transient(stage, microbatch))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.checkpoint import check_mode, checkpoint_stop
+from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop, selective
 from gpipe.distributed import init_from_env
 from gpipe.distributed.tensor_parallel import TpPlan, check_plan
 from gpipe.engine import build
@@ -56,7 +56,8 @@ class Pipeline(nn.Module):
         loss_count: for a loss averaged over items (tokens that are not padding): counts a target's
             items; ``loss_fn`` then returns a micro-batch's *sum*, and the step's loss is the
             mini-batch's item mean (e.g. ``gpipe.recipe.count_tokens(pad)``).
-        checkpoint: which micro-batches are re-materialized ('always', 'except_last', 'never').
+        checkpoint: which micro-batches are re-materialized ('always', 'except_last', 'never'), or a
+            :class:`gpipe.Selective` policy: which layers, and which operators' outputs they keep.
         devices: one device per worker (default: the GPUs, or 'cpu' for each).
         virtual: stages per worker (2 for the V schedules; any for 'interleaved-1f1b').
         cpu_threads: intra-op threads per CPU worker (default: shared out); fix it for bitwise
@@ -100,7 +101,7 @@ class Pipeline(nn.Module):
         chunks: int,
         loss_fn: LossFn | None = None,
         schedule: str | AutoSchedule = "gpipe",
-        checkpoint: str = "except_last",
+        checkpoint: Checkpoint = "except_last",
         devices: Sequence[torch.device | str | int] | None = None,
         virtual: int = 1,
         cpu_threads: int | None = None,
@@ -165,6 +166,8 @@ class Pipeline(nn.Module):
         self.partitions = nn.ModuleDict({str(s): p for s, p in self.engine.partitions.items()})
         self.schedule = self.engine.planner.name
         self.balance, self.devices = self.engine.balance, self.engine.devices
+        if isinstance(self.checkpoint, Selective):
+            self.checkpoint.check_layers(sum(self.balance))
         self.distributed, self.data_parallel, self.fsdp = distributed, data_parallel, fsdp
         self.tensor_parallel = tensor_parallel
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
@@ -209,6 +212,7 @@ class Pipeline(nn.Module):
             ctx = StepContext.capture(
                 num_microbatches=len(batches),
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches)),
+                selective=selective(self.checkpoint),
                 training=self.training,
                 seed=seed,
                 targets=[last.receive(t).value for t in targets] if last is not None else None,

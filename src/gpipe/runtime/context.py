@@ -6,16 +6,17 @@ caller's autocast, grad mode, targets, ... captured once per step), :class:`Save
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gpipe.checkpoint import Selective
 from gpipe.microbatch import Batch
 
-__all__ = ["AUTOCAST_DEVICE_TYPES", "Grads", "LossFn", "Saved", "StepContext", "loss_scale"]
+__all__ = ["AUTOCAST_DEVICE_TYPES", "Grads", "LossFn", "Saved", "StepContext", "leaf", "loss_scale", "pairs"]
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -34,6 +35,8 @@ class StepContext:
     autocast: tuple[tuple[str, torch.dtype, bool], ...]
     targets: Sequence[Any] | None = None
     loss_scale: Sequence[float] | None = None
+    selective: Selective | None = None
+    """How micro-batches ``0 .. checkpoint_stop-1`` are re-materialized, when selectively."""
 
     @staticmethod
     def capture(
@@ -44,13 +47,15 @@ class StepContext:
         seed: int,
         targets: Sequence[Any] | None = None,
         loss_scale: Sequence[float] | None = None,
+        selective: Selective | None = None,
     ) -> StepContext:
         grad = torch.is_grad_enabled()
         autocast = tuple(
             (dt, torch.get_autocast_dtype(dt), torch.is_autocast_enabled(dt)) for dt in AUTOCAST_DEVICE_TYPES
         )
         stop = checkpoint_stop if grad and training else 0
-        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale)
+        policy = selective if stop else None
+        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale, policy)
 
     @contextmanager
     def applied(self, device: torch.device) -> Iterator[None]:
@@ -67,6 +72,21 @@ class StepContext:
 Grads = tuple[Tensor | None, ...]
 
 
+def leaf(t: Tensor) -> Tensor:
+    """A fresh autograd leaf with ``t``'s values, requiring grad where ``t`` does (a tape's layer input)."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:
+    """The outputs that need a gradient and have one, with their gradients."""
+    outs, gs = [], []
+    for o, g in zip(outputs.values, grads):
+        if isinstance(o, Tensor) and o.requires_grad and g is not None:
+            outs.append(o)
+            gs.append(g)
+    return outs, gs
+
+
 @dataclass
 class Saved:
     """What a forward keeps for its backward.
@@ -75,6 +95,9 @@ class Saved:
     re-materialized. ``tape``: for a split backward, each layer's (input leaves, outputs).
     ``output_grads``: after I, each taped layer's output gradients, for W; ``weight_grads``: the
     weight gradients I already computed, for layers whose backward cannot be split (compiled ones).
+    ``recompute``: under a selective policy, the taped layers whose graph the forward dropped, each
+    with the context its recomputation runs in (``None``: plainly), and ``layers`` the functions
+    the forward called (the recomputation calls them again).
     """
 
     inputs: Batch
@@ -82,6 +105,8 @@ class Saved:
     tape: list[tuple[Batch, Batch]] | None = None
     output_grads: list[Grads] = field(default_factory=list)
     weight_grads: dict[int, Grads] = field(default_factory=dict)
+    recompute: dict[int, AbstractContextManager[Any] | None] = field(default_factory=dict)
+    layers: list[Callable[[Any], Any]] | None = None
 
 
 def loss_scale(

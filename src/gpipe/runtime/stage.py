@@ -9,7 +9,9 @@ Backward comes whole (B: input and weight gradients in one pass) or split (I, th
 backward the forward records a *tape*: every layer's input is a fresh autograd leaf, so I can walk
 the layers back computing input gradients only, keeping each layer's output gradient, and W later
 computes each layer's weight gradients from them. The split is exact at layer boundaries (W does not
-redo I's work); a re-materialized micro-batch is recomputed once, by I.
+redo I's work); a re-materialized micro-batch is recomputed once, by I. A :class:`gpipe.Selective`
+policy re-materializes some layers (or some operators in them) only, along such a tape: see
+:mod:`gpipe.runtime.selective`.
 
 The last stage may compute the loss: ``loss_fn(output, target)`` per micro-batch, scaled by what the
 step says (the micro-batch's share of the mini-batch's samples, or one over the items the mini-batch
@@ -40,32 +42,21 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 
 from gpipe import skip
 from gpipe.batchnorm import DeferredBatchNorm
-from gpipe.checkpoint import checkpointing, recomputing
+from gpipe.checkpoint import Selective, checkpointing, recomputing
 from gpipe.microbatch import Batch
 from gpipe.rng import Seeded, derive_seed, may_draw
+from gpipe.runtime import selective
 from gpipe.runtime.context import Grads, LossFn, Saved, StepContext
+from gpipe.runtime.context import leaf as _leaf
+from gpipe.runtime.context import pairs as _pairs
 from gpipe.runtime.hooks import _hooked, _PartitionCall
 from gpipe.runtime.inplace import _InPlace
 
 __all__ = ["Stage"]
 
 
-def _leaf(t: Tensor) -> Tensor:
-    """A fresh autograd leaf with ``t``'s values, requiring grad where ``t`` does."""
-    return t.detach().requires_grad_(t.requires_grad)
-
-
 def _differentiable(v: Any) -> bool:
     return isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())
-
-
-def _pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:
-    outs, gs = [], []
-    for o, g in zip(outputs.values, grads):
-        if isinstance(o, Tensor) and o.requires_grad and g is not None:
-            outs.append(o)
-            gs.append(g)
-    return outs, gs
 
 
 def _running_stats(module: nn.Module) -> list[_NormBase]:
@@ -124,6 +115,7 @@ class Stage:
         self.loss_fn = loss_fn
         self._deferred_bn = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._norms = _running_stats(module)
+        self._selection: tuple[Selective, frozenset[int]] | None = None  # see selective.selection
         # training -> per position in the stage, whether the function there draws random numbers
         # (None: not known yet, found out on its next call); see learn_randomness_again.
         self._draws: dict[bool, list[bool | None]] = {}
@@ -196,12 +188,10 @@ class Stage:
         name = type(layers[i]).__name__ if i < len(layers) else "loss_fn"
         return f"layer {self.first + i} ({name}) of stage {self.index}"
 
-    def _run(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]] | None = None) -> Batch:
-        """Run the layers on ``batch``; the skip connections it carries are stashed and popped on
-        the way, and those still open leave with the output. Without a tape, the skips live in one
-        table for the whole stage; with one, every layer's are recorded with its output."""
+    def _partition_call(self) -> _PartitionCall | None:
+        """The partition's forward hooks for one micro-batch's call, if it has any."""
         module = self.module
-        call = (
+        return (
             _PartitionCall(module, self.index)
             if module._forward_pre_hooks
             or module._forward_hooks
@@ -211,6 +201,17 @@ class Stage:
             or _global_forward_hooks
             else None
         )
+
+    def _stats_at(self, i: int) -> list[Tensor]:
+        """The running statistics the ``i``-th layer's forward updates in training."""
+        layers = self.module
+        return [t for norm in _running_stats(layers[i]) for t in _stats_of(norm)] if i < len(layers) else []
+
+    def _run(self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]] | None = None) -> Batch:
+        """Run the layers on ``batch``; the skip connections it carries are stashed and popped on
+        the way, and those still open leave with the output. Without a tape, the skips live in one
+        table for the whole stage; with one, every layer's are recorded with its output."""
+        call = self._partition_call()
         if tape is not None:
             return self._run_taped(m, batch, ctx, tape, call)
         protect = ctx.grad_enabled  # a forward kept for backward: its inputs must stay as they were
@@ -270,7 +271,13 @@ class Stage:
         leaves = tuple(self._input_leaf(v, f) if isinstance(v, Tensor) else v for v, f in zip(batch.values, flags))
         inputs = Batch(leaves, batch.spec, batch.skips, flags)
         key = (flags, ctx.training)
-        if m < ctx.checkpoint_stop:
+        if m < ctx.checkpoint_stop and ctx.selective is not None:
+            selected = selective.selection(self, ctx.selective)
+            if selected:  # (else nothing of this stage is re-materialized: as 'never')
+                out, kept = selective.forward(self, m, inputs, ctx, ctx.selective, selected)
+                self._flows[key] = out.grad_flags()
+                return out.map(Tensor.detach).flagged(self._flows[key]), kept
+        elif m < ctx.checkpoint_stop:
             flows = self._flows.get(key)
             if flows is not None:
                 with torch.no_grad(), checkpointing():
@@ -314,6 +321,10 @@ class Stage:
     def backward(self, m: int, saved: Saved, grads: Grads, ctx: StepContext) -> Grads:
         """Full backward (B) of micro-batch ``m`` given the gradients of its outputs: accumulates
         parameter gradients and returns the gradients of its inputs."""
+        if saved.layers is not None:  # selectively re-materialized: along the tape
+            assert saved.outputs is not None
+            self._check_grads(m, grads, saved.outputs)
+            return selective.backward(self, m, saved, grads, ctx)
         outputs = saved.outputs if saved.outputs is not None else self._recompute(m, saved, ctx, split=False)
         self._check_grads(m, grads, outputs)
         outs, gs = _pairs(outputs, grads)
@@ -334,6 +345,8 @@ class Stage:
         accumulates them."""
         if saved.tape is None:
             self._recompute(m, saved, ctx, split=True)
+        elif saved.recompute:
+            selective.recompute_all(self, m, saved, ctx)
         assert saved.tape is not None and saved.outputs is not None
         self._check_grads(m, grads, saved.outputs)
         per_layer: list[Grads] = []
