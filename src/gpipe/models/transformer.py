@@ -246,10 +246,11 @@ def _attend_cached(
     allowed: Tensor | None = None
     if cache.values[prefix + "masked"]:
         allowed = ~masked[:, None, None, :]
-    if causal and length > 1:
+    first = causal and length > 1 and length == total and allowed is None  # a prompt, nothing kept before
+    if causal and length > 1 and not first:
         later = torch.ones(length, total, dtype=torch.bool, device=query.device).triu(total - length + 1)
         allowed = ~later if allowed is None else allowed & ~later
-    attended = F.scaled_dot_product_attention(_heads(q(query), width), keys, values, attn_mask=allowed)
+    attended = F.scaled_dot_product_attention(_heads(q(query), width), keys, values, attn_mask=allowed, is_causal=first)
     result: Tensor = out(attended.transpose(1, 2).flatten(2))
     return result
 
