@@ -3,7 +3,10 @@ in every kind of schedule, equal to keeping everything; flags, running statistic
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import gpipe
 from gpipe import GPipe, Pipeline, Selective
 from gpipe.models import transformer_lm
 from gpipe.models.transformer import DecoderLayer
+from gpipe.train import TrainConfig, train
 from tests import dist_cases
 from tests.dist_harness import run_ranks
 
@@ -249,3 +253,17 @@ def test_torchrun_equals_one_process(tmp_path: Path) -> None:
     got = {n: g for r in ranks for n, g in r["grads"].items()}
     assert got.keys() == expected["grads"].keys()
     assert all(torch.equal(got[n], expected["grads"][n]) for n in got)
+
+
+def test_gpipe_train_checkpoint_matmuls_trains_as_never_does(tmp_path: Path) -> None:
+    """``gpipe train --checkpoint matmuls`` (Selective(save_ops='matmuls') on all but the last
+    micro-batch) takes the steps 'never' takes, to the bit (dropout on)."""
+    losses = {}
+    for mode in ("never", "matmuls"):
+        out = tmp_path / mode
+        with contextlib.redirect_stderr(io.StringIO()):
+            train(TrainConfig(out=str(out), steps=3, batch=8, eval_every=3, eval_batches=1, checkpoint_every=3,
+                              checkpoint=mode, dropout=0.1, partitions=2, progress=False))  # fmt: skip
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        losses[mode] = [json.loads(line)["loss"] for line in lines]
+    assert len(losses["never"]) == 3 and losses["matmuls"] == losses["never"]

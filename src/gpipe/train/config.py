@@ -126,7 +126,13 @@ class TrainConfig:
     schedule: str = field(
         default="1f1b", metadata={"help": f"the schedule: {', '.join(SCHEDULES)}, auto (planned from measured costs)"}
     )
-    checkpoint: str = field(default="except_last", metadata={"help": "re-materialization: always, except_last, never"})
+    checkpoint: str = field(
+        default="except_last",
+        metadata={
+            "help": "re-materialization: always, except_last, never, or matmuls (all but the last micro-batch "
+            "keep their matrix products' and attention's outputs and recompute the rest: gpipe.Selective)"
+        },
+    )
     threads: int = field(
         default=1, metadata={"help": "intra-op threads per stage, fixed so that runs are bitwise equal whatever K"}
     )
@@ -236,9 +242,9 @@ class TrainConfig:
             raise ConfigError(
                 "--tensorboard on needs the tensorboard package (pip install tensorboard), or use --tensorboard off"
             )
-        if self.checkpoint not in CHECKPOINT_MODES:
+        if self.checkpoint not in (*CHECKPOINT_MODES, "matmuls"):
             raise ConfigError(
-                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
+                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}, matmuls"
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")

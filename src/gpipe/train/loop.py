@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpipe.balance import balance_by_flops
+from gpipe.checkpoint import Selective
 from gpipe.data import PAD, TranslationDataset
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
@@ -132,7 +133,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         schedule=cfg.schedule,
         loss_fn=functools.partial(loss_fn, reduction="sum") if tokens else loss_fn,
         loss_count=count_tokens(PAD) if tokens else None,
-        checkpoint=cfg.checkpoint,
+        checkpoint=Selective(save_ops="matmuls", microbatches="except_last")
+        if cfg.checkpoint == "matmuls"
+        else cfg.checkpoint,
         devices=None if distributed else ["cpu"] * cfg.partitions,
         data_parallel=cfg.data_parallel,
         fsdp=cfg.fsdp,
