@@ -192,10 +192,13 @@ def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[
     return plan
 
 
-def _attention(dim: int, heads: int, dropout: float, head_dim: int | None) -> nn.Module:
+def _attention(
+    dim: int, heads: int, dropout: float, head_dim: int | None, attention_dropout: float | None
+) -> nn.Module:
+    p = dropout if attention_dropout is None else attention_dropout  # on the attention probabilities
     if head_dim is None:
-        return nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
-    return Attention(dim, heads, head_dim, dropout)
+        return nn.MultiheadAttention(dim, heads, dropout=p, batch_first=True)
+    return Attention(dim, heads, head_dim, p)
 
 
 class _Embedding(nn.Module):
@@ -280,7 +283,7 @@ class EncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = _attention(dim, heads, dropout if attention_dropout is None else attention_dropout, head_dim)
+        self.attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
@@ -329,13 +332,12 @@ class DecoderLayer(nn.Module):
         attention_dropout: float | None = None,
     ) -> None:
         super().__init__()
-        p = dropout if attention_dropout is None else attention_dropout
         self.norm1, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.self_attn = _attention(dim, heads, p, head_dim)
+        self.self_attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
         self.cross = cross
         if cross:
             self.norm2 = nn.LayerNorm(dim)
-            self.cross_attn = _attention(dim, heads, p, head_dim)
+            self.cross_attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
