@@ -2,8 +2,9 @@
 
 A training step of gpipe's Transformer LM (4 blocks, dim 256, feed-forward 1024, 4 heads of 64,
 vocabulary 4096; T = 256 tokens, a batch of 8 sequences in M = 4 micro-batches) on K = 2 'cpu' stages
-in one process, one intra-op thread per stage, schedule 1F1B, with dropout 0.1 (the model's default)
-and without, under four settings of ``checkpoint=``:
+in one process, one intra-op thread per stage, schedule 1F1B, with residual dropout 0.1 (the model's
+default) and without, none on the attention probabilities (``attention_dropout=0``: the fused attention
+kernel, as docs/models.md recommends), under four settings of ``checkpoint=``:
 
 - ``'always'``: every micro-batch keeps only its stage input; backward runs the stage's forward again;
 - ``Selective(save_ops='matmuls')``: every layer keeps the outputs of its matrix products and attention
@@ -24,9 +25,8 @@ they live; gpipe.memory), outside the timed steps.
 Target: the selective step <= 0.9x of full re-materialization's.
 
 Why dropout matters on the CPU: drawing a dropout mask (``bernoulli_``) costs about as much as all
-the block's matrix products, and attention with dropout runs SDPA's math path (``bmm``, softmax,
-dropout) instead of the fused flash kernel; the per-operator policy keeps the products, and
-recomputes the masks (a kept mask would be an activation as large as what it saves).
+the block's matrix products; the per-operator policy keeps the products, and recomputes the masks (a
+kept mask would be an activation as large as what it saves).
 
 Reproduce:  .venv/bin/python benchmarks/selective_checkpoint.py [--repeats 9] [--dropout 0.1 0.0]
                 [--json benchmarks/results/selective_checkpoint/results.json]
@@ -58,7 +58,15 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def pipeline(checkpoint: Any, dropout: float, **kwargs: Any) -> Pipeline:
     torch.manual_seed(0)
     model = transformer_lm(
-        BLOCKS, HIDDEN, HEADS, dim=DIM, vocab=VOCAB, max_len=T, dropout=dropout, head_dim=DIM // HEADS
+        BLOCKS,
+        HIDDEN,
+        HEADS,
+        dim=DIM,
+        vocab=VOCAB,
+        max_len=T,
+        dropout=dropout,
+        head_dim=DIM // HEADS,
+        attention_dropout=0.0,
     )
     return Pipeline(model, [3, 3], chunks=CHUNKS, loss_fn=lm_loss, schedule="1f1b", checkpoint=checkpoint,
                     devices=["cpu", "cpu"], cpu_threads=1, **kwargs)  # fmt: skip
