@@ -16,8 +16,8 @@ from gpipe.schedule import (
 from gpipe.schedule.ir import B, F
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 64), st.integers(1, 256))
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 96))  # (sizes up to 64 x 256 cost 20 s for the same formula)
 def test_fill_drain_bubble(k: int, m: int) -> None:
     sim = simulate(fill_drain(k, m))
     assert sim.bubble == pytest.approx((k - 1) / (m + k - 1), abs=1e-12)

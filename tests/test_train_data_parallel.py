@@ -58,9 +58,10 @@ def same_numbers(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 @pytest.fixture(scope="module")
 def one_replica(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Six steps of --partitions 2 on 2 processes: what the replicated runs are compared with."""
+    """Six steps of --partitions 2: what the replicated runs are compared with."""
     out = tmp_path_factory.mktemp("d1") / "run"
-    gpipe_train(2, "--partitions", "2", "--steps", "6", "--out", str(out))
+    # in this process (two 'cpu' stages: as on two ranks, which test_torchrun checks)
+    assert main(["train", *FLAGS, "--partitions", "2", "--steps", "6", "--out", str(out)]) == 0
     return [{k: v for k, v in r.items() if not k.startswith("bleu")} for r in rows(out)]
 
 
@@ -115,7 +116,7 @@ def test_a_sharded_causal_lm_with_tied_weights_trains_as_one_replica(tmp_path: P
 
 def test_a_llama_split_over_two_ranks_trains_as_one(tmp_path: Path) -> None:
     """--model hf with a Llama config (its Hugging Face tensor-parallel plan): --partitions 2
-    --tensor-parallel 2 on 4 processes gives the losses of --partitions 2 on 2."""
+    --tensor-parallel 2 on 4 processes gives the losses of --partitions 2 (in one process)."""
     transformers = pytest.importorskip("transformers")
     from gpipe.train.config import TrainConfig
     from gpipe.train.setup import hf_config, make_data
@@ -129,7 +130,8 @@ def test_a_llama_split_over_two_ranks_trains_as_one(tmp_path: Path) -> None:
     (tmp_path / "llama.json").write_text(llama.to_json_string())
     flags = ["--model", "hf", "--hf-config", str(tmp_path / "llama.json"), "--partitions", "2", "--steps", "2"]
     gpipe_train(4, *flags, "--tensor-parallel", "2", "--eval-batches", "1", "--out", str(tmp_path / "t2"))
-    gpipe_train(2, *flags, "--eval-batches", "1", "--out", str(tmp_path / "t1"))
+    # the reference in this process (two 'cpu' stages: as on two ranks, which test_torchrun checks)
+    assert main(["train", *FLAGS, *flags, "--eval-batches", "1", "--out", str(tmp_path / "t1")]) == 0
     same_numbers(rows(tmp_path / "t2"), rows(tmp_path / "t1"))
 
 
