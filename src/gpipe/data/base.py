@@ -105,6 +105,13 @@ class TranslationBatch:
 
     count = tokens
 
+    @property
+    def padding(self) -> float:
+        """The fraction of the batch's positions (source and target) that are padding."""
+        positions = self.source.numel() + self.target_out.numel()
+        real = int((self.source != PAD).sum()) + self.tokens
+        return 1.0 - real / positions if positions else 0.0
+
 
 def entropy(counts: Counter[int]) -> float:
     """The entropy (nats) of the distribution ``counts`` of tokens."""
@@ -151,6 +158,16 @@ class HeldOut:
 
     def __len__(self) -> int:
         return self.source.size(0)
+
+    def row(self, draw: int) -> tuple[list[int], list[int]]:
+        """Held-out sentence ``draw % len(self)``: its source and target ids, each ending with EOS."""
+        i = draw % len(self)
+        return _unpadded(self.source[i]), _unpadded(self.target_out[i])
+
+
+def _unpadded(row: Tensor) -> list[int]:
+    ids: list[int] = row.tolist()
+    return ids[: ids.index(EOS) + 1] if EOS in ids else [i for i in ids if i != PAD]
 
 
 @runtime_checkable

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from gpipe.data.base import (
     BOS,
@@ -23,24 +22,28 @@ from gpipe.data.base import (
     _translation_batch,
     entropy,
 )
-from gpipe.data.vocab import Vocab, read_pairs
+from gpipe.data.batches import DrawnPairs, Draws
+from gpipe.data.files import read_pairs
+from gpipe.data.vocab import Vocab
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
 
 __all__ = ["ParallelCorpus", "TextPairs"]
 
 
-class ParallelCorpus(_Translation):
-    """Every language pair of a data directory (see :func:`gpipe.data.vocab.read_pairs` for the file
-    names), encoded with one shared SentencePiece :class:`~gpipe.data.vocab.Vocab`: each side's pieces
-    and EOS, the target starting with its language's tag ``<2xx>``.
+class ParallelCorpus(DrawnPairs):
+    """Every language pair of a data directory (see :func:`gpipe.data.files.find_pairs` for the file
+    names), read into memory and encoded with one shared SentencePiece :class:`~gpipe.data.vocab.Vocab`:
+    each side's pieces and EOS, the target starting with its language's tag ``<2xx>``. For corpora
+    larger than memory, ``gpipe prepare`` writes the same sentences to memory-mapped arrays that
+    :class:`~gpipe.data.prepared.PreparedCorpus` reads with the same batches.
 
     Training batches draw a pair per sentence with temperature T (p_l ∝ (D_l/ΣD)^(1/T)), then one
-    of its sentences uniformly; pairs with a side longer than ``length`` tokens are left out of
-    training (:attr:`skipped` counts them). Held-out sentences per pair: the pair's file in
-    ``DIR/eval/`` if there is one (same naming), else a seeded ``min(held_out, D_l // 10)`` (at
-    least one) of its sentences, taken out of training; they are cut to ``length`` tokens for the
-    model, and their references stay whole."""
+    of its sentences uniformly (:mod:`gpipe.data.batches`; :meth:`token_batch`: by length buckets);
+    pairs with a side longer than ``length`` tokens are left out of training (:attr:`skipped` counts
+    them). Held-out sentences per pair: the pair's file in ``DIR/eval/`` if there is one (same naming),
+    else a seeded ``min(held_out, D_l // 10)`` (at least one) of its sentences, taken out of training;
+    they are cut to ``length`` tokens for the model, and their references stay whole."""
 
     def __init__(
         self,
@@ -65,37 +68,27 @@ class ParallelCorpus(_Translation):
                 f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
             )
         self.vocab_model, self.length_cap, self.seed = vocab, length, seed
-        self.tags = {}
-        for name, pair in pairs.items():
-            try:
-                self.tags[name] = vocab.tag(pair.tgt)
-            except KeyError:
-                raise ValueError(
-                    f"the vocabulary {str(vocab.path)!r} has no tag <2{pair.tgt}> for pair {name}: train it on this "
-                    f"data (gpipe vocab --data {str(root)!r}, or leave --vocab out)"
-                ) from None
+        self.tags = {name: pair_tag(vocab, name, pair.tgt, root) for name, pair in pairs.items()}
         self.train: dict[str, list[tuple[list[int], list[int]]]] = {}
         self.sets: dict[str, HeldOut] = {}
         self.skipped: dict[str, int] = {}
-        for name, pair in pairs.items():
+        for index, (name, pair) in enumerate(pairs.items()):
             sources, targets = self._encode(pair.sources), self._encode(pair.targets)
-            rows = list(range(len(pair)))
             if name in given:
+                held: list[int] = []
                 held_pair = given[name]
                 held_sources, held_targets = self._encode(held_pair.sources), self._encode(held_pair.targets)
                 references = held_pair.targets
             else:
-                if len(pair) < 2:
-                    raise ValueError(
-                        f"pair {name} has {len(pair)} sentence pair: too few to hold some out for evaluation; give "
-                        f"more, or its held-out sentences in {str(root / 'eval' / (name + '.tsv'))!r}"
-                    )
-                count = min(held_out, max(len(pair) // 10, 1))
-                held = sorted(random.Random(derive_seed(seed, 9, len(self.sets))).sample(rows, count))
-                rows = sorted(set(rows) - set(held))
+                held = held_out_rows(name, len(pair), held_out, seed, index, root)
                 held_sources, held_targets = [sources[i] for i in held], [targets[i] for i in held]
                 references = tuple(pair.targets[i] for i in held)
-            kept = [(sources[i], targets[i]) for i in rows if len(sources[i]) <= length and len(targets[i]) <= length]
+            chosen = set(held)
+            rows = [i for i in range(len(pair)) if i not in chosen]
+            kept = sorted(
+                ((sources[i], targets[i]) for i in rows if len(sources[i]) <= length and len(targets[i]) <= length),
+                key=lambda st: max(len(st[0]), len(st[1])),
+            )  # (stable: by key, then in the file's order)
             self.skipped[name] = len(rows) - len(kept)
             if not kept:
                 raise ValueError(
@@ -103,19 +96,18 @@ class ParallelCorpus(_Translation):
                     "length (--max-length)"
                 )
             self.train[name] = kept
-            tag = self.tags[name]
-            batch = _translation_batch(
-                [self._cut(s) for s in held_sources], [self._cut(t) for t in held_targets], [tag] * len(held_sources)
-            )
-            self.sets[name] = HeldOut(name, batch.source, batch.target_in, batch.target_out, tuple(references))
+            self.sets[name] = held_out_set(name, held_sources, held_targets, references, self.tags[name], length)
         self.names = sorted(self.train)
-        self.probabilities = temperature_sampling([len(self.train[n]) for n in self.names], temperature)
+        histograms = []
+        for name in self.names:
+            histogram = [0] * (length + 1)
+            for source, target in self.train[name]:
+                histogram[max(len(source), len(target))] += 1
+            histograms.append(histogram)
+        self.draws = Draws(temperature_sampling([len(self.train[n]) for n in self.names], temperature), histograms)
 
     def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         return [[*ids, EOS] for ids in self.vocab_model.encode_lines(texts)]
-
-    def _cut(self, ids: list[int]) -> list[int]:
-        return ids if len(ids) <= self.length_cap else [*ids[: self.length_cap - 1], EOS]
 
     @property
     def vocab(self) -> int:
@@ -126,41 +118,59 @@ class ParallelCorpus(_Translation):
         """The most tokens of a side (EOS included)."""
         return self.length_cap
 
-    @property
-    def pair_sizes(self) -> dict[str, int]:
-        return {n: len(self.train[n]) for n in self.names}
-
-    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
-        g = _generator(self.seed, split, step)
-        chosen = torch.multinomial(torch.tensor(self.probabilities), size, replacement=True, generator=g).tolist()
-        draws = torch.randint(0, 2**31 - 1, (size,), generator=g).tolist()
-        sources, targets, tags = [], [], []
-        for p, d in zip(chosen, draws):
-            name = self.names[p]
-            if split == "train":
-                source, target = self.train[name][d % len(self.train[name])]
-            else:
-                held = self.sets[name]
-                i = d % len(held)
-                source, target = _unpadded(held.source[i]), _unpadded(held.target_out[i])
-            sources.append(source)
-            targets.append(target)
-            tags.append(self.tags[name])
-        return _translation_batch(sources, targets, tags)
-
-    def held_out(self) -> dict[str, HeldOut]:
-        return dict(self.sets)
+    def sentence(self, pair: int, index: int) -> tuple[list[int], list[int]]:
+        return self.train[self.names[pair]][index]
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        if EOS in ids:
-            ids = ids[: ids.index(EOS)]
-        return self.vocab_model.decode(ids)
+        return detokenize(self.vocab_model, ids)
 
 
-def _unpadded(row: Tensor) -> list[int]:
-    ids: list[int] = row.tolist()
-    return ids[: ids.index(EOS) + 1] if EOS in ids else [i for i in ids if i != PAD]
+def pair_tag(vocab: Vocab, name: str, lang: str, data: Path) -> int:
+    """The id of the tag ``<2lang>`` asking for pair ``name``'s target language, or a ``ValueError``."""
+    try:
+        return vocab.tag(lang)
+    except KeyError:
+        raise ValueError(
+            f"the vocabulary {str(vocab.path)!r} has no tag <2{lang}> for pair {name}: train it on this data "
+            f"(gpipe vocab --data {str(data)!r}, or leave --vocab out)"
+        ) from None
+
+
+def held_out_rows(name: str, size: int, most: int, seed: int, index: int, data: Path) -> list[int]:
+    """The sentences of pair ``name`` (the ``index``-th, of ``size`` sentences) held out for
+    evaluation: a seeded ``min(most, size // 10)``, at least one, sorted."""
+    if size < 2:
+        raise ValueError(
+            f"pair {name} has {size} sentence pair: too few to hold some out for evaluation; give more, or its "
+            f"held-out sentences in {str(data / 'eval' / (name + '.tsv'))!r}"
+        )
+    count = min(most, max(size // 10, 1))
+    return sorted(random.Random(derive_seed(seed, 9, index)).sample(range(size), count))
+
+
+def held_out_set(
+    name: str,
+    sources: Sequence[list[int]],
+    targets: Sequence[list[int]],
+    references: Sequence[str],
+    tag: int,
+    length: int,
+) -> HeldOut:
+    """A pair's held-out sentences (ids ending with EOS) cut to ``length`` tokens for the model."""
+
+    def cut(ids: list[int]) -> list[int]:
+        return ids if len(ids) <= length else [*ids[: length - 1], EOS]
+
+    batch = _translation_batch([cut(s) for s in sources], [cut(t) for t in targets], [tag] * len(sources))
+    return HeldOut(name, batch.source, batch.target_in, batch.target_out, tuple(references))
+
+
+def detokenize(vocab: Vocab, ids: Sequence[int]) -> str:
+    """The text of a decoded sentence's ids, up to its EOS."""
+    ids = list(ids)
+    if EOS in ids:
+        ids = ids[: ids.index(EOS)]
+    return vocab.decode(ids)
 
 
 class TextPairs(_Translation):

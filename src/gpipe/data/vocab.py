@@ -33,10 +33,10 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpipe.data.files import Pairs, read_pairs
 from gpipe.recipe import temperature_sampling
 from gpipe.saving import write_atomically
 
@@ -62,8 +62,6 @@ __all__ = [
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 _RESERVED = 4  # pad, bos, eos, unk
-_PAIR_FILE = re.compile(r"^(?P<src>[A-Za-z0-9_]+)-(?P<tgt>[A-Za-z0-9_]+)\.(?P<ext>[A-Za-z0-9_]+)$")
-_NAMING = "<src>-<tgt>.tsv, or <src>-<tgt>.<src> + <src>-<tgt>.<tgt> (such as en-de.en + en-de.de)"
 _LONGEST_PIECE = 16  # SentencePiece's max_sentencepiece_length, which train_vocab leaves at its default
 _WORD = "\u2581"  # "▁", SentencePiece's mark of a word's start (it replaces whitespace)
 
@@ -71,109 +69,6 @@ _WORD = "\u2581"  # "▁", SentencePiece's mark of a word's start (it replaces w
 def tag_piece(lang: str) -> str:
     """The tag asking for a translation into ``lang``: ``<2lang>``."""
     return f"<2{lang}>"
-
-
-@dataclass(frozen=True)
-class Pairs:
-    """The sentence pairs of one language pair, ``src`` → ``tgt``, read from ``files``."""
-
-    src: str
-    tgt: str
-    sources: tuple[str, ...]
-    targets: tuple[str, ...]
-    files: tuple[Path, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.src}-{self.tgt}"
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-
-def _read_lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 file, without their line ends (only \\n, \\r\\n and \\r end a line)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {str(path)!r}: {exc}") from None
-    if not text.strip():
-        raise ValueError(f"{str(path)!r} is empty")
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return lines
-
-
-def _read_tsv(path: Path, src: str, tgt: str) -> Pairs:
-    sources, targets = [], []
-    for number, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        parts = line.split("\t")
-        if len(parts) != 2:
-            raise ValueError(f"{path}:{number}: expected exactly one tab (source<TAB>target), found {len(parts) - 1}")
-        sources.append(parts[0])
-        targets.append(parts[1])
-    return Pairs(src, tgt, tuple(sources), tuple(targets), (path,))
-
-
-def _read_split(src_path: Path, tgt_path: Path, src: str, tgt: str) -> Pairs:
-    source_lines, target_lines = _read_lines(src_path), _read_lines(tgt_path)
-    if len(source_lines) != len(target_lines):
-        raise ValueError(
-            f"{str(src_path)!r} has {len(source_lines)} lines but {str(tgt_path)!r} has "
-            f"{len(target_lines)}: the two sides of a pair must be aligned line by line"
-        )
-    kept = [(s, t) for s, t in zip(source_lines, target_lines) if s.strip() or t.strip()]
-    return Pairs(src, tgt, tuple(s for s, _ in kept), tuple(t for _, t in kept), (src_path, tgt_path))
-
-
-def read_pairs(directory: str | os.PathLike[str]) -> dict[str, Pairs]:
-    """The language pairs of a data directory (see the module's naming rule), by name (``"en-de"``),
-    sorted. Raises ``ValueError`` naming the file (and line) at fault."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise ValueError(f"{str(root)!r} is not a directory")
-    tsv: dict[tuple[str, str], Path] = {}
-    halves: dict[tuple[str, str], dict[str, Path]] = {}
-    for path in sorted(root.iterdir()):
-        match = _PAIR_FILE.match(path.name)
-        if match is None or not path.is_file():
-            continue
-        src, tgt, ext = match["src"], match["tgt"], match["ext"]
-        if ext == "tsv":
-            tsv[src, tgt] = path
-        elif ext in (src, tgt):
-            halves.setdefault((src, tgt), {})[ext] = path
-        else:
-            continue
-        if src == tgt:
-            raise ValueError(f"{str(path)!r}: a pair's source and target languages must differ")
-    pairs: dict[str, Pairs] = {}
-    for src, tgt in sorted(set(tsv) | set(halves)):
-        if (src, tgt) in tsv and (src, tgt) in halves:
-            both = [tsv[src, tgt].name, *(p.name for p in halves[src, tgt].values())]
-            raise ValueError(f"pair {src}-{tgt} is given twice in {str(root)!r}: {', '.join(sorted(both))}")
-        if (src, tgt) in tsv:
-            pair = _read_tsv(tsv[src, tgt], src, tgt)
-        else:
-            found = halves[src, tgt]
-            missing = [f"{src}-{tgt}.{lang}" for lang in (src, tgt) if lang not in found]
-            if missing:
-                present = next(iter(found.values())).name
-                raise ValueError(f"{present} in {str(root)!r} has no other side: {missing[0]} is missing")
-            pair = _read_split(found[src], found[tgt], src, tgt)
-        if not len(pair):
-            raise ValueError(f"{', '.join(repr(str(p)) for p in pair.files)}: no sentence pairs")
-        pairs[pair.name] = pair
-    if not pairs:
-        seen = sorted(p.name for p in root.iterdir())[:5]
-        raise ValueError(
-            f"no language pair files in {str(root)!r} (found: {', '.join(seen) or 'nothing'}); name them {_NAMING}"
-        )
-    return pairs
 
 
 def pair_probabilities(pairs: Mapping[str, Pairs], temperature: float = 5.0) -> dict[str, float]:

@@ -1,0 +1,130 @@
+"""How the translation data sets of many language pairs draw a batch: a fixed number of sentence
+pairs (``--batch``), or about a number of tokens (``--batch-tokens``) from one length bucket. Both
+are pure functions of (seed, step) and hold, per language pair, only the counts of its sentences by
+length: state linear in the pairs and lengths, never in the sentences.
+
+Sentences are kept sorted by their *key*, the longer side's tokens (EOS included), stably (ties in the
+order of the files): the sentences of a pair with keys in ``(lo, hi]`` are one range of its indices,
+and leaving out the pairs longer than ``--max-length`` keeps a prefix.
+
+A sentence batch draws, for each row, a pair with temperature sampling (p_l ∝ (D_l/ΣD)^(1/T)), then
+one of its sentences uniformly. A token batch first draws a bucket, then its rows alike among the
+bucket's sentences; bucket b (keys up to ``ub_b``) holds ``max(N // ub_b, least)`` rows, padded at most
+to ``ub_b`` tokens a side, and is drawn with probability ∝ ``ub_b · Σ_l p_l · D_lb / D_l``, so that every
+sentence is drawn as often per token as a sentence batch draws it (Lingvo's length buckets, fairseq's
+``max_tokens``)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gpipe.data.base import HeldOut, TranslationBatch, _generator, _Translation, _translation_batch
+
+__all__ = ["BUCKET_RATIO", "DrawnPairs", "Draws", "bucket_bounds"]
+
+BUCKET_RATIO = 1.1
+"""Each bucket's upper bound is at most this many times the one before (and at least one more)."""
+
+
+def bucket_bounds(longest: int, ratio: float = BUCKET_RATIO) -> list[int]:
+    """The buckets' upper bounds (tokens of a side, EOS included) up to ``longest``: 2, 3, ...,
+    growing by ``ratio``, the last ``longest``."""
+    bounds = [2]
+    while bounds[-1] < longest:
+        bounds.append(min(max(bounds[-1] + 1, math.ceil(bounds[-1] * ratio)), longest))
+    return bounds
+
+
+class Draws:
+    """Which sentence of which pair each row of a batch holds. ``histograms[l][k]``: the training
+    sentences of pair ``l`` whose key is ``k`` (the sentences sorted by key, up to ``--max-length``)."""
+
+    def __init__(self, probabilities: Sequence[float], histograms: Sequence[Sequence[int]]) -> None:
+        self.probabilities = torch.tensor(list(probabilities), dtype=torch.float64)
+        self.sizes = [sum(h) for h in histograms]
+        longest = max(len(h) for h in histograms) - 1
+        self.bounds = bucket_bounds(max(longest, 2))
+        # starts[l][b]: the index of pair l's first sentence of bucket b; counts[l][b]: how many
+        self.starts: list[list[int]] = []
+        self.counts: list[list[int]] = []
+        for histogram in histograms:
+            cumulative = [0]
+            for count in histogram:
+                cumulative.append(cumulative[-1] + count)
+            top = len(histogram) - 1
+            edges = [0, *(cumulative[min(b, top) + 1] for b in self.bounds)]
+            self.starts.append(edges[:-1])
+            self.counts.append([hi - lo for lo, hi in itertools.pairwise(edges)])
+        # within bucket b, pair l with probability ∝ p_l D_lb / D_l
+        share = torch.tensor([[c / size for c in counts] for counts, size in zip(self.counts, self.sizes)],
+                             dtype=torch.float64) * self.probabilities[:, None]  # fmt: skip
+        self.within = share.T  # (buckets, pairs)
+        mass = share.sum(0)
+        self.bucket_weights = mass * torch.tensor(self.bounds, dtype=torch.float64)
+
+    def sentences(self, g: torch.Generator, size: int) -> list[tuple[int, int]]:
+        """``size`` (pair, draw) of a sentence batch: the pair's sentence ``draw % D_l`` (or held-out
+        sentence ``draw % n``)."""
+        chosen = torch.multinomial(self.probabilities, size, replacement=True, generator=g).tolist()
+        draws = torch.randint(0, 2**31 - 1, (size,), generator=g).tolist()
+        return list(zip(chosen, draws))
+
+    def bucket_rows(self, bucket: int, tokens: int, least: int) -> int:
+        return max(tokens // self.bounds[bucket], least)
+
+    def tokens(self, g: torch.Generator, tokens: int, least: int) -> list[tuple[int, int]]:
+        """The (pair, index) draws of a batch of about ``tokens`` tokens a side, at least ``least`` rows."""
+        bucket = int(torch.multinomial(self.bucket_weights, 1, generator=g))
+        rows = self.bucket_rows(bucket, tokens, least)
+        chosen = torch.multinomial(self.within[bucket], rows, replacement=True, generator=g).tolist()
+        draws = torch.randint(0, 2**31 - 1, (rows,), generator=g).tolist()
+        return [(p, self.starts[p][bucket] + d % self.counts[p][bucket]) for p, d in zip(chosen, draws)]
+
+    def bucket_of(self, key: int) -> int:
+        return bisect.bisect_left(self.bounds, key)
+
+
+class DrawnPairs(_Translation):
+    """The batches of a data set of language pairs (``names``, sorted) whose training sentences are
+    sorted by key; a subclass sets :attr:`draws`, :attr:`tags`, :attr:`sets` (held out), :attr:`seed`
+    and gives :meth:`sentence` (the ids of a pair's sentence, each side ending with EOS)."""
+
+    names: list[str]
+    tags: dict[str, int]
+    sets: dict[str, HeldOut]
+    draws: Draws
+    seed: int
+
+    def sentence(self, pair: int, index: int) -> tuple[Sequence[int], Sequence[int]]:
+        raise NotImplementedError
+
+    @property
+    def pair_sizes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.draws.sizes))
+
+    def _batch(self, rows: Sequence[tuple[int, int]]) -> TranslationBatch:
+        sources, targets = zip(*(self.sentence(p, i) for p, i in rows))
+        return _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in rows])
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
+        """``size`` sentence pairs, each of a pair drawn with temperature sampling."""
+        g = _generator(self.seed, split, step)
+        rows = self.draws.sentences(g, size)
+        if split == "train":
+            return self._batch([(p, d % self.draws.sizes[p]) for p, d in rows])
+        held = [self.sets[self.names[p]] for p, _ in rows]  # (the same draws, among the held-out sentences)
+        picked = [h.row(d) for h, (_, d) in zip(held, rows)]
+        return _translation_batch([s for s, _ in picked], [t for _, t in picked], [self.tags[h.name] for h in held])
+
+    def token_batch(self, tokens: int, step: int, *, least: int = 1) -> TranslationBatch:
+        """A training batch of about ``tokens`` tokens a side, padding included, from one length bucket
+        (at least ``least`` rows: the micro-batches of every replica)."""
+        return self._batch(self.draws.tokens(_generator(self.seed, "train", step), tokens, least))
+
+    def held_out(self) -> dict[str, HeldOut]:
+        return dict(self.sets)
