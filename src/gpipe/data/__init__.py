@@ -18,14 +18,16 @@ from the file. All three are :class:`TranslationDataset` s: held-out sentences p
 
 :class:`SyntheticImages` are class-structured images for AmoebaNet: every class has its own smooth
 random pattern; an image is its class's pattern, shifted, scaled in contrast and buried in noise.
-:class:`ImageFiles` reads real images from a ``.npz`` file (arrays ``x`` and ``y``) or a folder with
-one sub-folder of images per class.
+:class:`ImageFiles` reads real images from a ``.npz`` file (arrays ``x`` and ``y``, memory-mapped) or a
+folder with one sub-folder of images per class (decoded when a batch needs them), in seeded epochs, cropped
+and flipped with ``augment``; :mod:`~gpipe.data.imagefiles` holds its two sources and the crop.
 
 Batches are a pure function of (seed, step): a run resumed at step N sees exactly the batches an
 uninterrupted run sees.
 
 An application part: imports the library, :mod:`gpipe.recipe` and its own modules (:mod:`~gpipe.data.base`,
-:mod:`~gpipe.data.synthetic`, :mod:`~gpipe.data.corpus`, :mod:`~gpipe.data.images`, :mod:`~gpipe.data.vocab`);
+:mod:`~gpipe.data.synthetic`, :mod:`~gpipe.data.corpus`, :mod:`~gpipe.data.images`, :mod:`~gpipe.data.imagefiles`,
+:mod:`~gpipe.data.vocab`);
 ``import gpipe.data`` does not import ``sentencepiece``, which only :mod:`gpipe.data.vocab` imports, lazily.
 """
 

@@ -1,5 +1,5 @@
 """Image data for classifiers: :class:`ImageBatch`, class-structured :class:`SyntheticImages` and real
-images read by :class:`ImageFiles`."""
+images read by :class:`ImageFiles` (from the sources of :mod:`gpipe.data.imagefiles`), in seeded epochs."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
 from gpipe.data.base import _generator
+from gpipe.data.imagefiles import FolderImages, NpzImages
 from gpipe.rng import derive_seed
 
 __all__ = ["ImageBatch", "ImageFiles", "SyntheticImages"]
@@ -86,88 +89,106 @@ class SyntheticImages(_Images):
         return ImageBatch(shifted * contrast + self.noise * noise, labels)
 
 
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
-
-
 class ImageFiles(_Images):
-    """Labelled images read into memory from ``path``: a ``.npz`` file with ``x`` (N, H, W, C) or
-    (N, C, H, W), uint8 or float, and ``y`` (N,) integer labels; or a folder with one sub-folder
-    per class (named as the class; sorted, they give the label order) of image files, all resized to
-    ``size``x``size``. Pixels are standardized per channel; a seeded tenth (at least one image) is
-    held out for the ``eval`` split."""
+    """Labelled images read from ``path``, a batch at a time: a folder with one sub-folder per class
+    (named as the class; sorted, they give the label order) of image files, indexed, each decoded when
+    a batch needs it and resized to ``size``x``size``; or a ``.npz`` written by ``np.savez`` with ``x``
+    (N, H, W, C) or (N, C, H, W), uint8 or float, and ``y`` (N,) integer labels, memory-mapped, its
+    images at their own size (:mod:`gpipe.data.imagefiles`). Memory does not grow with the images
+    beyond an index per image.
 
-    def __init__(self, path: str | os.PathLike[str], *, size: int = 32, seed: int = 0) -> None:
-        self.path, self.seed = Path(path), seed
+    A seeded tenth (at least one image) is held out for the ``eval`` split. Each split is read in
+    epochs, each a seeded permutation of its images: the i-th image of ``batch(size, step)`` is the
+    split's position p = step * size + i, image ``perm_e[p % n]`` of epoch e = p // n, so each image
+    comes once per epoch and a batch is a pure function of (seed, step, size). With ``augment``, a
+    training image is cropped (random-resized, to ``size``x``size`` or the .npz's own size) and
+    flipped with probability 0.5 by a generator of (seed, epoch, image): the same in every process
+    and for every batch size. Pixels are standardized per channel by the mean and std of a seeded
+    sample of at most 512 training images."""
+
+    def __init__(self, path: str | os.PathLike[str], *, size: int = 32, seed: int = 0, augment: bool = False) -> None:
+        self.path, self.seed, self.augment = Path(path), seed, augment
+        self.source: FolderImages | NpzImages
         if self.path.is_dir():
-            images, labels, self.names = self._read_folder(size)
+            self.source = FolderImages(self.path, size)
         elif self.path.suffix == ".npz":
-            images, labels = self._read_npz()
-            self.names = [str(c) for c in range(int(labels.max()) + 1)]
+            self.source = NpzImages(self.path)
         else:
             raise ValueError(
                 f"cannot read the image data {str(path)!r}: give a .npz file (arrays x and y) or a folder "
                 f"with one sub-folder of images per class"
             )
-        if len(images) < 2:
-            raise ValueError(f"{str(path)!r} holds {len(images)} image(s); at least 2 are needed (train and eval)")
-        mean = images.mean(dim=(0, 2, 3), keepdim=True)
-        std = images.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
-        images = (images - mean) / std
-        self.classes, self.channels = max(len(self.names), 2), images.size(1)
-        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(derive_seed(seed, 8, 0)))
-        held = max(len(images) // 10, 1)
-        self.splits = {
-            "eval": (images[order[:held]], labels[order[:held]]),
-            "train": (images[order[held:]], labels[order[held:]]),
-        }
+        count = len(self.source.labels)
+        if count < 2:
+            raise ValueError(f"{str(path)!r} holds {count} image(s); at least 2 are needed (train and eval)")
+        self.names = self.source.names
+        self.classes, self.channels = max(len(self.names), 2), self.source.channels
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(derive_seed(seed, 8, 0))).numpy()
+        held = max(count // 10, 1)
+        self.rows = {"eval": order[:held], "train": order[held:]}  # each split's images (indices of the source)
+        self._epochs: dict[str, tuple[int, np.ndarray[Any, Any]]] = {}  # per split: its latest epoch's permutation
+        self.mean, self.std = self._statistics()
 
-    def _read_npz(self) -> tuple[Tensor, Tensor]:
-        import numpy as np
+    def _statistics(self, most: int = 512, chunk: int = 64) -> tuple[Tensor, Tensor]:
+        """Each channel's mean and std (at least 1e-6) over a seeded sample of training images, as
+        ``batch`` reads them without augmentation: (C, 1, 1) each."""
+        train = self.rows["train"]
+        g = torch.Generator().manual_seed(derive_seed(self.seed, _STATISTICS, 0))
+        sample = np.sort(train[torch.randperm(len(train), generator=g)[:most].numpy()])
+        sums = torch.zeros(2, self.channels, dtype=torch.float64)
+        pixels = 0
+        for start in range(0, len(sample), chunk):
+            rows = sample[start : start + chunk].tolist()
+            images = self.source.read(rows, [None] * len(rows)).double()
+            sums += torch.stack([images.sum(dim=(0, 2, 3)), images.square().sum(dim=(0, 2, 3))])
+            pixels += images[:, 0].numel()
+        mean = sums[0] / pixels
+        std = (sums[1] / pixels - mean.square()).clamp_min(0).sqrt().clamp_min(1e-6)
+        return mean.float().view(-1, 1, 1), std.float().view(-1, 1, 1)
 
-        try:
-            with np.load(self.path) as archive:
-                x, y = archive["x"], archive["y"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"cannot read {str(self.path)!r} as a .npz of arrays x and y: {exc!r}") from None
-        if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or not np.issubdtype(y.dtype, np.integer):
-            raise ValueError(
-                f"{str(self.path)!r}: x must be (N, H, W, C) or (N, C, H, W) and y (N,) integers "
-                f"(x: {x.shape} {x.dtype}, y: {y.shape} {y.dtype})"
-            )
-        if len(y) and y.min() < 0:
-            raise ValueError(f"{str(self.path)!r}: labels must be non-negative (smallest: {int(y.min())})")
-        images = torch.from_numpy(np.ascontiguousarray(x)).float()
-        if x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
-            images = images.permute(0, 3, 1, 2)
-        if x.dtype == np.uint8:
-            images = images / 255.0
-        return images.contiguous(), torch.from_numpy(y.astype(np.int64))
+    def _permutation(self, split: str, epoch: int) -> np.ndarray[Any, Any]:
+        """Epoch ``epoch``'s order of the split's images; the latest is kept (replaced whole: safe
+        across threads, at worst computed twice)."""
+        cached = self._epochs.get(split)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        g = torch.Generator().manual_seed(derive_seed(self.seed, _EPOCHS[split], epoch))
+        permutation = torch.randperm(len(self.rows[split]), generator=g).numpy()
+        self._epochs[split] = (epoch, permutation)
+        return permutation
 
-    def _read_folder(self, size: int) -> tuple[Tensor, Tensor, list[str]]:
-        import numpy as np
-        from PIL import Image, UnidentifiedImageError
-
-        names = sorted(d.name for d in self.path.iterdir() if d.is_dir())
-        images, labels = [], []
-        for label, name in enumerate(names):
-            for file in sorted((self.path / name).iterdir()):
-                if file.suffix.lower() not in _IMAGE_SUFFIXES:
-                    continue
-                try:
-                    with Image.open(file) as image:
-                        pixels = np.asarray(image.convert("RGB").resize((size, size)), dtype=np.float32) / 255.0
-                except (OSError, UnidentifiedImageError) as exc:
-                    raise ValueError(f"cannot read the image {str(file)!r}: {exc}") from None
-                images.append(torch.from_numpy(pixels).permute(2, 0, 1))
-                labels.append(label)
-        if not images:
-            raise ValueError(
-                f"{str(self.path)!r} has no class sub-folders with images ({', '.join(sorted(_IMAGE_SUFFIXES))})"
-            )
-        return torch.stack(images), torch.tensor(labels), names
+    def indices(self, size: int, step: int, *, split: str = "train") -> tuple[list[int], list[int]]:
+        """The images (indices of the source) of ``batch(size, step, split=split)`` and their epochs."""
+        if split not in self.rows:
+            raise ValueError(f"split must be one of {sorted(self.rows)} (split: {split!r})")
+        rows, n = self.rows[split], len(self.rows[split])
+        images, epochs = [], []
+        for position in range(step * size, (step + 1) * size):
+            epoch, at = divmod(position, n)
+            images.append(int(rows[self._permutation(split, epoch)[at]]))
+            epochs.append(epoch)
+        return images, epochs
 
     def batch(self, size: int, step: int, *, split: str = "train") -> ImageBatch:
-        g = _generator(self.seed, split, step)
-        images, labels = self.splits[split]
-        rows = torch.randint(0, len(images), (size,), generator=g)
-        return ImageBatch(images[rows], labels[rows])
+        images, epochs = self.indices(size, step, split=split)
+        generators = [
+            torch.Generator().manual_seed(derive_seed(derive_seed(self.seed, _AUGMENT, epoch), image, 0))
+            if self.augment and split == "train"
+            else None
+            for image, epoch in zip(images, epochs, strict=True)
+        ]
+        pixels = (self.source.read(images, generators) - self.mean) / self.std
+        return ImageBatch(pixels, torch.from_numpy(self.source.labels[images]))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Small: the source's index (its memory map dropped), the splits and statistics, no cache."""
+        return {**self.__dict__, "_epochs": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+# derive_seed's second argument for this module's streams (7: SyntheticImages, 8: the held-out split)
+_EPOCHS = {"train": 10, "eval": 11}
+_AUGMENT = 12
+_STATISTICS = 13
