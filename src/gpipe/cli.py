@@ -7,7 +7,7 @@ its parser (``gpipe COMMAND -h`` lists them).
 - ``gpipe export``: a checkpoint of ``gpipe train --model hf`` as a transformers model folder (:mod:`gpipe.export`).
 - ``gpipe bench``: the paper's tables on this machine, beside peers (:mod:`gpipe.bench`).
 - ``gpipe demo``: ``gpipe corpus`` then ``gpipe train`` on it, what ``make demo`` runs (:mod:`gpipe.demo`).
-- ``gpipe schedule``, ``corpus``, ``vocab``: the small commands (:mod:`gpipe.commands`).
+- ``gpipe schedule``, ``corpus``, ``vocab``, ``prepare``: the small commands (:mod:`gpipe.commands`).
 
 The top of the applications: it imports the commands, and nothing imports it. A command is imported
 only when it runs, so ``gpipe schedule`` loads neither SentencePiece nor sacrebleu nor transformers.
@@ -31,6 +31,7 @@ COMMANDS = {
     "schedule": "generate, validate and simulate a schedule; draw its timeline",
     "demo": "the translation workflow on the built-in synthetic corpus: gpipe corpus, then gpipe train (see -h)",
     "corpus": "write the built-in synthetic multilingual corpus as parallel text files",
+    "prepare": "tokenize a folder of language pairs once into memory-mapped arrays for gpipe train (see -h)",
     "vocab": "train one SentencePiece vocabulary for every language pair of a data directory",
 }
 
@@ -61,6 +62,8 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
         from gpipe.demo import main
     elif name == "corpus":
         from gpipe.commands.corpus import main
+    elif name == "prepare":
+        from gpipe.commands.prepare import main
     else:
         from gpipe.commands.vocab import main
     return main

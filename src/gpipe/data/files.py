@@ -176,9 +176,9 @@ def records(
             if not marks or marks[-1].record != record:
                 marks.append(mark)
         for i, r in enumerate(raw):
-            offsets[i] += len(r)  # type: ignore[arg-type]
+            offsets[i] += len(r)
         try:
-            texts = [_text(path, number, r) for path, r in zip(pair.files, raw)]  # type: ignore[arg-type]
+            texts = [_text(path, number, r) for path, r in zip(pair.files, raw)]
             if pair.tsv:
                 if not texts[0].strip():
                     counts.blank += 1

@@ -189,15 +189,17 @@ def train_text_vocab(
     threads: int = 16,
     keep_text: bool = False,
     quiet: bool = True,
+    tags: Sequence[str] = (),
 ) -> Path:
     """A SentencePiece vocabulary of plain text (``gpipe train --model hf`` on a text file), trained
     as :func:`train_vocab` trains one but on ``lines`` themselves (a seeded ``sample`` of them where
-    there are more), without language tags; the same ids (pad 0, bos 1, eos 2, unk 3) and errors."""
+    there are more), with the user-defined pieces ``tags`` (none for plain text; ``gpipe prepare`` gives the
+    language tags of the pairs it sampled the lines from); the same ids (pad 0, bos 1, eos 2, unk 3) and errors."""
 
     def text() -> list[str]:
         return list(lines) if len(lines) <= sample else random.Random(seed).sample(list(lines), sample)
 
-    return _train(text, out_prefix, size=size, tags=[], exact=exact, character_coverage=character_coverage,
+    return _train(text, out_prefix, size=size, tags=sorted(tags), exact=exact, character_coverage=character_coverage,
                   seed=seed, model_type=model_type, threads=threads, keep_text=keep_text, quiet=quiet)  # fmt: skip
 
 

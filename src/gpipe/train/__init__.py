@@ -55,9 +55,9 @@ _GROUPS = {
               "dropout", "logit_clip"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
-    "training": ("batch", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm", "precision",
-                 "seed"),
-    "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length"),
+    "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
+                 "precision", "seed"),
+    "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length", "workers", "augment"),
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
 }  # fmt: skip

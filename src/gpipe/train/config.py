@@ -137,6 +137,13 @@ class TrainConfig:
         default=1, metadata={"help": "intra-op threads per stage, fixed so that runs are bitwise equal whatever K"}
     )
     batch: int = field(default=64, metadata={"help": "mini-batch size (sentence pairs or images)"})
+    batch_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "translation on --data FOLDER or PREPARED: mini-batches of about N tokens, padding included, "
+            "drawn from length buckets, instead of --batch sentences (0: --batch)"
+        },
+    )
     steps: int = field(default=200, metadata={"help": "training steps"})
     optimizer: str = field(default="adam", metadata={"help": f"the optimizer: {', '.join(OPTIMIZERS)}"})
     lr: float = field(default=1e-2, metadata={"help": "peak learning rate of the inverse-sqrt schedule"})
@@ -175,6 +182,17 @@ class TrainConfig:
             "help": "--data FOLDER: pieces of the vocabulary trained, refused if the text cannot make as many (0: as "
             "many as it supports, up to 8000)"
         },
+    )
+    workers: int = field(
+        default=0,
+        metadata={
+            "help": "data loader worker processes preparing the next batches (0: one background thread); images are "
+            "decoded in them"
+        },
+    )
+    augment: bool = field(
+        default=False,
+        metadata={"help": "amoebanet, --data FOLDER or .npz: random-resized crops and horizontal flips, seeded"},
     )
     max_length: int = field(
         default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
@@ -261,6 +279,19 @@ class TrainConfig:
                 raise ConfigError(f"--{flag(name)} must be {requirement} (got {getattr(self, name)})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
+        if self.batch_tokens < 0 or self.workers < 0:
+            name = "batch_tokens" if self.batch_tokens < 0 else "workers"
+            raise ConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)})")
+        if self.batch_tokens and not self.parallel_folder:
+            raise ConfigError(
+                f"--batch-tokens {self.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for "
+                f"the transformer (model: {self.model!r}, data: {self.data!r}); give such --data, or use --batch"
+            )
+        if self.augment and not (self.model == "amoebanet" and self.data):
+            raise ConfigError(
+                f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: "
+                f"{self.model!r}, data: {self.data!r}); give both, or leave --augment out"
+            )
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
         if self.vocab_size < 0:
@@ -345,7 +376,10 @@ class TrainConfig:
         return self.model == "transformer" and bool(self.data) and Path(self.data).is_dir()
 
     def vocab_path(self) -> Path:
-        """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``."""
+        """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``; of
+        ``--data PREPARED``: its own."""
+        if self.data and (Path(self.data) / "manifest.json").is_file():
+            return Path(self.data) / "vocab.model"
         return Path(self.vocab) if self.vocab else Path(self.out) / "vocab.model"
 
     def _check_paths(self) -> None:
@@ -363,6 +397,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
                 "leave --vocab out"
+            )
+        if self.vocab and (Path(self.data) / "manifest.json").is_file():
+            raise ConfigError(
+                f"--data {self.data!r} is prepared data, with its own vocabulary; leave --vocab out (gpipe prepare "
+                "--vocab chooses it)"
             )
         if self.vocab and not Path(self.vocab).is_file():
             raise ConfigError(

@@ -18,7 +18,8 @@ import torch
 
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import Selective
-from gpipe.data import PAD, TranslationDataset
+from gpipe.data import PAD, TranslationBatch, TranslationDataset
+from gpipe.data.loader import StepLoader
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
@@ -28,6 +29,7 @@ from gpipe.rng import derive_seed
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
+from gpipe.train.data import train_batch
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
 from gpipe.train.precision import autocast, check_supported
 from gpipe.train.resume import check_out, delete_results, resume_point
@@ -173,10 +175,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     shown: dict[str, str] = {}  # the latest evaluation, in the progress bar
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
     interrupts = Interrupts()
+    # the next batches are made while a step computes (a thread, or --workers processes)
+    loader = StepLoader(functools.partial(train_batch, data, cfg), start, cfg.steps, workers=cfg.workers)
     try:
-        for step in range(start, cfg.steps + 1):
+        for step, batch in loader:
             torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
-            batch = data.batch(cfg.batch, step)
             began = time.perf_counter()
             optimizer.zero_grad()
             with precision():
@@ -197,6 +200,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     rate: batch.count / seconds,
                     "bubble": bubble,
                 }
+                if tokens:  # the real tokens of the step, and the share of its positions that is padding
+                    last["tokens"] = batch.count
+                    if isinstance(batch, TranslationBatch):
+                        last["padding"] = batch.padding
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     with precision():  # (the held-out losses of the model as it trains)
                         held_out = evaluate(
@@ -235,6 +242,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
         raise
     finally:
+        loader.close()
         interrupts.restore()
         if board is not None:
             board.close()

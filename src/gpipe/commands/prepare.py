@@ -1,0 +1,110 @@
+"""``gpipe prepare --data DIR --out PREPARED``: every language pair of a folder tokenized once into
+memory-mapped token arrays with an offsets index (:mod:`gpipe.data.prepare`), which
+``gpipe train --data PREPARED`` reads with memory that does not grow with the corpus.
+
+    gpipe prepare --data corpus/ --out corpus.prepared --workers 4
+    gpipe train --data corpus.prepared --batch-tokens 4096
+
+The files are streamed (never held whole), the shared SentencePiece vocabulary is trained on a
+bounded, seeded sample (or ``--vocab`` is used), each pair's held-out sentences are taken out as
+``gpipe train --data DIR`` takes them (``DIR/eval/``, else a seeded tenth, at most ``--held-out``), and
+everything is written beside ``PREPARED`` and renamed into place at the end. A bad line (no single tab,
+not UTF-8, an empty side) is refused with its file and line, or skipped and counted with ``--skip-bad``.
+``PREPARED/manifest.json`` says what was prepared: pairs, sentences, tokens, lengths, the vocabulary's
+hash."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpipe.commands.args import ArgumentParser, positive, refuse
+
+__all__ = ["main"]
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="gpipe prepare",
+        description=__doc__.replace("``", "") if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--data", required=True, metavar="DIR", help="a folder of pair files: xx-yy.tsv, or xx-yy.xx + xx-yy.yy"
+    )
+    p.add_argument("--out", required=True, metavar="PREPARED", help="the folder to write (new, or with --overwrite)")
+    p.add_argument("--vocab", metavar="PATH", help="a SentencePiece .model to use (default: train one on a sample)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pieces of the vocabulary trained, refused if the sample cannot make as many (default 0: as many as it "
+        "supports, up to 8000)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="sentence pairs drawn (at --temperature) to train the vocabulary on, at most (default: 1000000)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=5.0,
+        metavar="T",
+        help="the vocabulary sample's pair temperature (default: 5)",
+    )
+    p.add_argument(
+        "--held-out",
+        type=int,
+        default=100,
+        metavar="N",
+        help="held-out sentences per pair without a file in DIR/eval (at most a tenth; default: 100)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the seed of the held-out sentences and the sample (default: 0)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        metavar="N",
+        help="processes that read and encode (default: the cores, at most 4; 1: this process alone)",
+    )
+    p.add_argument("--skip-bad", action="store_true", help="skip and count bad lines instead of refusing them")
+    p.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``gpipe prepare``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
+    args = _parser().parse_args(argv)
+    positive(args, "sample", "temperature", "held_out", "workers")
+    if args.vocab_size < 0:
+        return refuse(f"--vocab-size must be 0 or more (got {args.vocab_size})")
+    if args.vocab and args.vocab_size:
+        return refuse("--vocab brings its own vocabulary and --vocab-size sizes one to train: give one of them")
+    if not Path(args.data).is_dir():
+        return refuse(f"--data {args.data!r} is not a folder")
+    from gpipe.data.prepare import prepare
+
+    try:
+        out = prepare(args.data, args.out, vocab=args.vocab, vocab_size=args.vocab_size, temperature=args.temperature,
+                      sample=args.sample, held_out=args.held_out, seed=args.seed, workers=args.workers,
+                      skip_bad=args.skip_bad, overwrite=args.overwrite)  # fmt: skip
+    except (ValueError, ImportError) as exc:
+        return refuse(exc)
+    except OSError as exc:  # no permission, a full disk: the old --out is intact
+        return refuse(f"cannot write --out {args.out!r}: {exc.strerror or exc}; it is left as it was")
+    manifest = json.loads((out / "manifest.json").read_text())
+    rate = manifest["sentences"] / max(manifest["seconds"], 1e-9)
+    print(f"wrote {out}: {len(manifest['pairs'])} language pairs, {manifest['sentences']} sentence pairs, "
+          f"{manifest['tokens']} tokens, {manifest['vocab']['size']} pieces, in {manifest['seconds']:.1f} s "
+          f"({rate:.0f} sentence pairs/s, {args.workers} worker(s))")  # fmt: skip
+    bad = {name: sum(e["bad_lines"].values()) for name, e in manifest["pairs"].items() if e["bad_lines"]}
+    if bad:
+        print(f"skipped bad lines: {', '.join(f'{name} {n}' for name, n in bad.items())} (manifest.json: by kind)")
+    return 0

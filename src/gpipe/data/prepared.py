@@ -1,0 +1,196 @@
+"""Prepared data: what ``gpipe prepare`` writes (:mod:`gpipe.data.prepare`) and
+:class:`PreparedCorpus`, which trains from it with memory that does not grow with the corpus.
+
+A prepared folder holds ``manifest.json`` (the pairs, their sentences, tokens and length histograms,
+the vocabulary's hash, the settings and the source files' sizes), ``vocab.model`` (the shared
+SentencePiece vocabulary), ``heldout.json`` (each pair's held-out sentences, as ids, and their
+references), and per language pair ``NAME.tok`` (the pieces of every sentence pair, source then target,
+without EOS; uint16, or uint32 past 65,536 pieces), ``NAME.off`` (int64: where each sentence pair
+starts, and the end) and ``NAME.len`` (uint32: each source's length), its sentence pairs sorted stably
+by length (:mod:`gpipe.data.batches`). The arrays are memory-mapped read-only: every process on a
+machine shares the page cache's one copy, and a batch reads only its own sentences."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpipe.data.base import EOS
+from gpipe.data.batches import DrawnPairs, Draws
+from gpipe.data.corpus import detokenize, held_out_set
+from gpipe.data.files import find_pairs
+from gpipe.recipe import temperature_sampling
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "PreparedCorpus",
+    "PreparedError",
+    "file_digest",
+    "is_prepared",
+    "read_manifest",
+    "source_fingerprint",
+]
+
+FORMAT, VERSION, MANIFEST = "gpipe-prepared", 1, "manifest.json"
+
+
+class PreparedError(ValueError):
+    """A prepared folder that cannot be read: missing files, another format, a vocabulary that is
+    not the one it was prepared with."""
+
+
+def is_prepared(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder ``gpipe prepare`` wrote (it has a manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def source_fingerprint(root: Path) -> dict[str, list[int]]:
+    """The pair files of folder ``root`` (and its ``eval/``) with their sizes and modification times
+    (ns): a prepared cache of the folder is stale once they change."""
+    found = {}
+    for folder, where in ((root, ""), (root / "eval", "eval/")):
+        if folder.is_dir():
+            for pair in find_pairs(folder).values():
+                for path in pair.files:
+                    stat = path.stat()
+                    found[where + path.name] = [stat.st_size, stat.st_mtime_ns]
+    return found
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A prepared folder's manifest, checked for its format and version."""
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise PreparedError(f"cannot read {str(file)!r}: {exc}; prepare the data again (gpipe prepare)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise PreparedError(f"{str(file)!r} is not a manifest of gpipe prepare")
+    if manifest.get("version") != VERSION:
+        raise PreparedError(
+            f"{str(file)!r} is of format version {manifest.get('version')}, this gpipe reads {VERSION}: prepare the "
+            "data again with this version (gpipe prepare)"
+        )
+    return manifest
+
+
+class PreparedCorpus(DrawnPairs):
+    """The language pairs of a prepared folder, with the batches of
+    :class:`~gpipe.data.ParallelCorpus` on the same files (the same sentences, held out and drawn
+    alike, so the same batches): training pairs with a side longer than ``length`` tokens are left
+    out (a prefix of each pair's sorted sentences; :attr:`skipped` counts them), pairs are drawn with
+    temperature T, and the held-out sentences are those ``gpipe prepare`` took out (cut to ``length``
+    tokens). Memory: the manifest's counts and the held-out sentences, not the corpus.
+
+    Pickles without its arrays (a DataLoader worker maps them again)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, length: int = 64, temperature: float = 5.0, seed: int = 0
+    ) -> None:
+        if length < 2:
+            raise ValueError(f"PreparedCorpus needs length >= 2 (length: {length})")
+        self.path = Path(path)
+        self.manifest = manifest = read_manifest(self.path)
+        if manifest.get("kind") != "pairs":
+            raise PreparedError(f"{str(self.path)!r} holds {manifest.get('kind')!r} data, not language pairs")
+        self.length_cap, self.seed, self.dtype = length, seed, np.dtype(manifest["dtype"])
+        vocab = self.path / manifest["vocab"]["file"]
+        if not vocab.is_file():
+            raise PreparedError(f"{str(vocab)!r} is missing: prepare the data again (gpipe prepare)")
+        self.vocab_path = vocab
+        self.names = sorted(manifest["pairs"])
+        self.tags = {name: int(manifest["pairs"][name]["tag"]) for name in self.names}
+        histograms, self.skipped = [], {}
+        for name in self.names:
+            lengths = manifest["pairs"][name]["lengths"]
+            kept = lengths[: length + 1]
+            self.skipped[name] = sum(lengths) - sum(kept)
+            if not sum(kept):
+                raise ValueError(
+                    f"pair {name}: every training sentence pair has a side longer than {length} tokens; raise the "
+                    "length (--max-length)"
+                )
+            histograms.append(kept)
+        sizes = [sum(h) for h in histograms]
+        self.draws = Draws(temperature_sampling(sizes, temperature), histograms)
+        try:
+            held = json.loads((self.path / "heldout.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise PreparedError(f"cannot read {str(self.path / 'heldout.json')!r}: {exc}") from None
+        self.sets = {
+            name: held_out_set(
+                name,
+                [[*s, EOS] for s in held[name]["source"]],
+                [[*t, EOS] for t in held[name]["target"]],
+                held[name]["references"],
+                self.tags[name],
+                length,
+            )
+            for name in self.names
+        }
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._vocab: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None, "_vocab": None}
+
+    def _pair_arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {}
+        arrays = self._arrays.get(name)
+        if arrays is None:
+            base = self.path / name
+            try:
+                arrays = (
+                    np.memmap(f"{base}.tok", dtype=self.dtype, mode="r"),
+                    np.memmap(f"{base}.off", dtype=np.int64, mode="r"),
+                    np.memmap(f"{base}.len", dtype=np.uint32, mode="r"),
+                )
+            except (OSError, ValueError) as exc:
+                raise PreparedError(f"cannot map the arrays of pair {name} in {str(self.path)!r}: {exc}") from None
+            self._arrays[name] = arrays
+        return arrays
+
+    def sentence(self, pair: int, index: int) -> tuple[list[int], list[int]]:
+        tokens, offsets, sources = self._pair_arrays(self.names[pair])
+        start, end, split = int(offsets[index]), int(offsets[index + 1]), int(sources[index])
+        ids = tokens[start:end].tolist()
+        return [*ids[:split], EOS], [*ids[split:], EOS]
+
+    @property
+    def vocab_model(self) -> Any:
+        """The shared SentencePiece vocabulary (:class:`~gpipe.data.vocab.Vocab`), loaded when first used."""
+        if self._vocab is None:
+            from gpipe.data.vocab import Vocab
+
+            self._vocab = Vocab(self.vocab_path)
+        return self._vocab
+
+    @property
+    def vocab(self) -> int:
+        return int(self.manifest["vocab"]["size"])
+
+    @property
+    def length(self) -> int:
+        """The most tokens of a side (EOS included)."""
+        return self.length_cap
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return detokenize(self.vocab_model, ids)

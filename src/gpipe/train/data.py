@@ -1,0 +1,92 @@
+"""The data of ``gpipe train --data``: a folder of language pairs is prepared once (``gpipe
+prepare``'s work, :mod:`gpipe.data.prepare`) into ``OUT/prepared`` and read from there, memory-mapped;
+``--data PREPARED`` is read as it is. What a step draws (:func:`train_batch`): ``--batch`` sentences,
+or about ``--batch-tokens`` tokens from a length bucket."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from gpipe.data.prepare import prepare
+from gpipe.data.prepared import PreparedError, file_digest, is_prepared, read_manifest, source_fingerprint
+from gpipe.saving import write_atomically
+from gpipe.train.config import ConfigError, TrainConfig
+
+__all__ = ["CACHE", "prepared_folder", "train_batch"]
+
+CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
+
+
+def train_batch(data: Any, cfg: TrainConfig, step: int) -> Any:
+    """Step ``step``'s training batch: about ``--batch-tokens`` tokens from one length bucket (at least a
+    row for every micro-batch of every replica), else ``--batch`` rows. A pure function of (seed, step)."""
+    if cfg.batch_tokens:
+        return data.token_batch(cfg.batch_tokens, step, least=cfg.chunks * cfg.data_parallel)
+    return data.batch(cfg.batch, step)
+
+
+def prepared_folder(cfg: TrainConfig) -> Path:
+    """The prepared folder the run reads: ``--data`` itself if prepared, else ``OUT/prepared``, made
+    from the folder ``--data`` by rank 0 (the other ranks wait) and reused while the folder's files,
+    the vocabulary (``--vocab``, or ``OUT/vocab.model``, trained on the first run) and the held-out
+    settings (``--eval-sentences``, ``--seed``) are those it was made from."""
+    if is_prepared(cfg.data):
+        return Path(cfg.data)
+    cache = Path(cfg.out) / CACHE
+    error = None
+    if _rank() == 0:
+        try:
+            _refresh(cfg, cache)
+        except ValueError as exc:  # (ConfigError too)
+            error = str(exc) if isinstance(exc, ConfigError) else f"--data {cfg.data!r}: {exc}"
+    if dist.is_initialized():
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error is not None:
+        raise ConfigError(error)
+    return cache
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _fresh(cfg: TrainConfig, cache: Path, vocab: Path) -> bool:
+    if not is_prepared(cache) or not vocab.is_file():
+        return False
+    try:
+        manifest = read_manifest(cache)
+    except PreparedError:
+        return False
+    settings = manifest.get("settings", {})
+    return bool(
+        manifest.get("source") == source_fingerprint(Path(cfg.data))
+        and settings.get("held_out") == cfg.eval_sentences
+        and settings.get("seed") == cfg.seed
+        and manifest.get("vocab", {}).get("sha256") == file_digest(vocab)
+    )
+
+
+def _refresh(cfg: TrainConfig, cache: Path) -> None:
+    vocab = cfg.vocab_path()
+    if not vocab.exists() and cfg.resume:
+        raise ConfigError(f"--resume: the run's vocabulary {str(vocab)!r} is missing; restore it, or start afresh")
+    if _fresh(cfg, cache, vocab):
+        return
+    if vocab.exists() and not cfg.vocab and not cfg.resume:
+        print(f"using the vocabulary {vocab} of an earlier run (delete it to train a new one)", file=sys.stderr)
+    print(f"preparing --data {cfg.data} into {cache} (once: later runs and --resume reuse it)", file=sys.stderr)
+    prepare(cfg.data, cache, vocab=vocab if vocab.exists() else None, vocab_size=cfg.vocab_size,
+            temperature=cfg.temperature, held_out=cfg.eval_sentences, seed=cfg.seed, workers=max(cfg.workers, 1),
+            overwrite=True)  # fmt: skip
+    if not vocab.exists():  # the vocabulary trained: OUT/vocab.model, kept for later runs (as before)
+        for suffix in (".vocab", ".model"):  # (the model last: a complete vocabulary appears at once)
+            made = (cache / "vocab").with_suffix(suffix)
+            if made.is_file():
+                write_atomically(vocab.with_suffix(suffix), lambda tmp, made=made: shutil.copyfile(made, tmp))
