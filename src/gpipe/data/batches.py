@@ -42,13 +42,15 @@ def bucket_bounds(longest: int, ratio: float = BUCKET_RATIO) -> list[int]:
 
 class Draws:
     """Which sentence of which pair each row of a batch holds. ``histograms[l][k]``: the training
-    sentences of pair ``l`` whose key is ``k`` (the sentences sorted by key, up to ``--max-length``)."""
+    sentences of pair ``l`` whose key is ``k`` (the sentences sorted by key), for keys up to
+    ``longest`` (``--max-length``), which sets the buckets."""
 
-    def __init__(self, probabilities: Sequence[float], histograms: Sequence[Sequence[int]]) -> None:
+    def __init__(self, probabilities: Sequence[float], histograms: Sequence[Sequence[int]], longest: int) -> None:
         self.probabilities = torch.tensor(list(probabilities), dtype=torch.float64)
         self.sizes = [sum(h) for h in histograms]
-        longest = max(len(h) for h in histograms) - 1
-        self.bounds = bucket_bounds(max(longest, 2))
+        if any(len(h) > longest + 1 for h in histograms):
+            raise ValueError(f"a histogram goes past the longest key {longest}")
+        self.bounds = bucket_bounds(max(longest, 2))  # (the same whatever keys the pairs hold)
         # starts[l][b]: the index of pair l's first sentence of bucket b; counts[l][b]: how many
         self.starts: list[list[int]] = []
         self.counts: list[list[int]] = []

@@ -104,7 +104,9 @@ class ParallelCorpus(DrawnPairs):
             for source, target in self.train[name]:
                 histogram[max(len(source), len(target))] += 1
             histograms.append(histogram)
-        self.draws = Draws(temperature_sampling([len(self.train[n]) for n in self.names], temperature), histograms)
+        self.draws = Draws(
+            temperature_sampling([len(self.train[n]) for n in self.names], temperature), histograms, length
+        )
 
     def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         return [[*ids, EOS] for ids in self.vocab_model.encode_lines(texts)]

@@ -129,7 +129,7 @@ class PreparedCorpus(DrawnPairs):
                 )
             histograms.append(kept)
         sizes = [sum(h) for h in histograms]
-        self.draws = Draws(temperature_sampling(sizes, temperature), histograms)
+        self.draws = Draws(temperature_sampling(sizes, temperature), histograms, length)
         try:
             held = json.loads((self.path / "heldout.json").read_text())
         except (OSError, ValueError) as exc:

@@ -287,6 +287,12 @@ class TrainConfig:
                 f"--batch-tokens {self.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for "
                 f"the transformer (model: {self.model!r}, data: {self.data!r}); give such --data, or use --batch"
             )
+        if self.batch_tokens and self.batch_tokens < (least := self.max_length * self.chunks * self.data_parallel):
+            raise ConfigError(
+                f"--batch-tokens {self.batch_tokens} holds fewer than --chunks {self.chunks} x --data-parallel "
+                f"{self.data_parallel} sentences of the longest bucket (--max-length {self.max_length}): give at "
+                f"least {least}"
+            )
         if self.augment and not (self.model == "amoebanet" and self.data):
             raise ConfigError(
                 f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: "

@@ -23,10 +23,11 @@ CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
 
 
 def train_batch(data: Any, cfg: TrainConfig, step: int) -> Any:
-    """Step ``step``'s training batch: about ``--batch-tokens`` tokens from one length bucket (at least a
-    row for every micro-batch of every replica), else ``--batch`` rows. A pure function of (seed, step)."""
+    """Step ``step``'s training batch: about ``--batch-tokens`` tokens from one length bucket, else
+    ``--batch`` rows. A pure function of (seed, step): the same whatever the layout (``--partitions``,
+    ``--data-parallel``), which the config checks can hold a row for each micro-batch of each replica."""
     if cfg.batch_tokens:
-        return data.token_batch(cfg.batch_tokens, step, least=cfg.chunks * cfg.data_parallel)
+        return data.token_batch(cfg.batch_tokens, step)
     return data.batch(cfg.batch, step)
 
 

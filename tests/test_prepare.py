@@ -1,0 +1,252 @@
+"""`gpipe prepare` and prepared data: the same sentences, held-out sets and batches as the in-memory
+ParallelCorpus on the same files (so the same losses), token batches from length buckets, resume and
+K-invariance on prepared data, bad lines refused with their line numbers or skipped and counted, an
+interrupted prepare leaving the old folder, the format's size, and the batches made ahead."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gpipe.data.prepare as preparing
+from gpipe.cli import main
+from gpipe.data import ParallelCorpus
+from gpipe.data.batches import bucket_bounds
+from gpipe.data.loader import StepLoader
+from gpipe.data.prepare import prepare
+from gpipe.data.prepared import PreparedCorpus, read_manifest
+from gpipe.data.vocab import Vocab, train_vocab
+from gpipe.train import TrainConfig, train
+
+WORDS = [f"{c}{v}{d}" for c in "bdfgklmnprst" for v in "aeiou" for d in "aeiou"]
+
+
+def write_corpus(root: Path, sizes: dict[str, int], *, seed: int = 0, longest: int = 24) -> None:
+    """Pairs of made-up words, 1 to ``longest`` a side (the target's length near the source's), with a
+    blank line, Windows line ends in one file and two-file pairs in another."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for p, (name, n) in enumerate(sizes.items()):
+        rows = []
+        for _ in range(n):
+            k = rng.randint(1, longest)
+            source = " ".join(rng.choice(WORDS) for _ in range(k))
+            target = " ".join(rng.choice(WORDS[::-1]) for _ in range(max(1, k + rng.randint(-2, 2))))
+            rows.append((source, target))
+        if p == 1:  # two files, aligned
+            src, tgt = name.split("-")
+            (root / f"{name}.{src}").write_text("".join(f"{s}\n" for s, _ in rows), encoding="utf-8")
+            (root / f"{name}.{tgt}").write_text("".join(f"{t}\n" for _, t in rows), encoding="utf-8")
+        else:
+            end = "\r\n" if p == 0 else "\n"
+            lines = [f"{s}\t{t}{end}" for s, t in rows]
+            lines.insert(n // 2, "\n")  # (a blank line: skipped)
+            (root / f"{name}.tsv").write_text("".join(lines), encoding="utf-8", newline="")
+
+
+SIZES = {"en-de": 900, "en-fr": 300, "de-fr": 70}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(root / "raw", SIZES)
+    (root / "raw" / "eval").mkdir()
+    (root / "raw" / "eval" / "de-fr.tsv").write_text("bab beb\tkik\nfof\tsus sas\n", encoding="utf-8")
+    train_vocab(root / "raw", root / "vocab", size=400, exact=False, sample=1270)
+    prepared = prepare(root / "raw", root / "prepared", vocab=root / "vocab.model", workers=2, say=lambda _: None)
+    return {"raw": root / "raw", "vocab": root / "vocab.model", "prepared": prepared, "root": root}
+
+
+def equal(a: Any, b: Any) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("source", "target_in", "target_out"))
+
+
+@pytest.mark.parametrize("length", [64, 12])
+def test_prepared_batches_are_the_in_memory_corpus_batches(corpus: dict[str, Path], length: int) -> None:
+    memory = ParallelCorpus(corpus["raw"], Vocab(corpus["vocab"]), length=length, seed=0)
+    prepared = PreparedCorpus(corpus["prepared"], length=length, seed=0)
+    assert prepared.pair_sizes == memory.pair_sizes and prepared.skipped == memory.skipped
+    assert bool(sum(memory.skipped.values())) == (length == 12)
+    for name in memory.names:
+        assert prepared.sets[name].references == memory.sets[name].references
+        assert equal(prepared.sets[name], memory.sets[name])
+    assert prepared.sets["de-fr"].references == ("kik", "sus sas")  # (DIR/eval's, not held out of training)
+    for step in range(6):
+        assert equal(prepared.batch(16, step), memory.batch(16, step))
+        assert equal(prepared.batch(16, step, split="eval"), memory.batch(16, step, split="eval"))
+        assert equal(prepared.token_batch(256, step), memory.token_batch(256, step))
+    assert prepared.unigram_entropy() == memory.unigram_entropy()
+    again = pickle.loads(pickle.dumps(prepared))  # (a DataLoader worker's copy maps the arrays again)
+    assert equal(again.token_batch(256, 3), prepared.token_batch(256, 3))
+    assert len(pickle.dumps(prepared)) < 200_000
+
+
+def test_the_manifest_and_the_size_on_disk(corpus: dict[str, Path]) -> None:
+    manifest = read_manifest(corpus["prepared"])
+    memory = ParallelCorpus(corpus["raw"], Vocab(corpus["vocab"]), length=10_000, seed=0)
+    assert manifest["sentences"] == sum(memory.pair_sizes.values())
+    tokens = sum(len(s) + len(t) - 2 for pair in memory.train.values() for s, t in pair)  # (EOS not stored)
+    assert manifest["tokens"] == tokens
+    assert manifest["dtype"] == "uint16" and manifest["pairs"]["en-de"]["blank_lines"] == 1
+    assert sum(manifest["lengths"]) == manifest["sentences"]
+    assert manifest["pairs"]["de-fr"]["held_out_from"] == "eval"
+    files = [p for p in corpus["prepared"].iterdir() if p.suffix in (".tok", ".off", ".len")]
+    size = sum(p.stat().st_size for p in files)
+    assert size <= 2 * manifest["tokens"] + 12 * manifest["sentences"] + 8 * len(manifest["pairs"])
+    memory_sorted = [max(len(s), len(t)) for s, t in memory.train["en-fr"]]
+    assert memory_sorted == sorted(memory_sorted)  # (kept by length: a bucket is a range of indices)
+
+
+def test_token_batches_fill_their_bucket_and_keep_the_pairs_shares(corpus: dict[str, Path]) -> None:
+    data = PreparedCorpus(corpus["prepared"], length=32, seed=1)
+    bounds = bucket_bounds(32)
+    assert bounds[0] == 2 and bounds[-1] == 32 and all(b / a <= 1.5 for a, b in itertools.pairwise(bounds))
+    padding, rows = [], []
+    for step in range(200):
+        batch = data.token_batch(512, step)
+        width = max(batch.source.size(1), batch.target_out.size(1))
+        assert batch.source.size(0) * width <= 512 or batch.source.size(0) == 1
+        padding.append(batch.padding)
+        rows.append(batch.source.size(0))
+    assert np.mean(padding) < 0.3  # (sentence batches of this corpus: about 0.5)
+    sentences = [data.batch(32, step).padding for step in range(50)]
+    assert np.mean(padding) < np.mean(sentences) - 0.15
+    assert min(rows) < max(rows)  # (short buckets hold more sentences)
+
+
+def test_prepare_refuses_bad_lines_with_their_numbers_or_skips_and_counts_them(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    good = "".join(f"a{i} b\tc{i} d\n" for i in range(30))
+    cases = {
+        "no tab": (b"x y\n", r"en-de\.tsv:31: expected exactly one tab", "tab"),
+        "two tabs": (b"x\ty\tz\n", r"en-de\.tsv:31: .*found 2", "tab"),
+        "bytes": (b"x \xff\ty\n", r"en-de\.tsv:31: not UTF-8 text", "utf8"),
+        "empty side": (b"x\t  \n", r"en-de\.tsv:31: the target side is empty", "empty"),
+    }
+    for name, (line, error, kind) in cases.items():
+        (raw / "en-de.tsv").write_bytes(good.encode() + line + good.encode())
+        with pytest.raises(ValueError, match=error):
+            prepare(raw, tmp_path / name, vocab_size=0, workers=1, say=lambda _: None)
+        assert not (tmp_path / name).exists() and not list(tmp_path.glob(".*tmp*")), name
+        out = prepare(raw, tmp_path / name, workers=1, skip_bad=True, say=lambda _: None)
+        entry = read_manifest(out)["pairs"]["en-de"]
+        assert entry["bad_lines"] == {kind: 1} and entry["sentences"] + entry["held_out"] == 60, name
+    (raw / "en-de.tsv").write_text(good)
+    (raw / "en-fr.en").write_text("a\nb\nc\n")
+    (raw / "en-fr.fr").write_text("a\nb\n")
+    with pytest.raises(ValueError, match=r"en-fr\.fr' has 2 lines but .*en-fr\.en' has more"):
+        prepare(raw, tmp_path / "split", workers=1, say=lambda _: None)
+
+
+def test_the_command_and_its_refusals(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p"
+    assert (
+        main(["prepare", "--data", str(corpus["raw"]), "--out", str(out), "--workers", "1", "--vocab-size", "300"]) == 0
+    )
+    said = capsys.readouterr()
+    assert f"wrote {out}: 3 language pairs" in said.out and "worker(s)" in said.out
+    assert Vocab(out / "vocab.model").size == 300
+    assert main(["prepare", "--data", str(corpus["raw"]), "--out", str(out)]) == 2
+    assert "holds prepared data already; add --overwrite" in capsys.readouterr().err
+    assert main(["prepare", "--data", str(out), "--out", str(tmp_path / "q")]) == 2
+    assert "is prepared data already" in capsys.readouterr().err
+    assert main(["prepare", "--data", str(corpus["raw"]), "--out", str(tmp_path / "q"), "--workers", "0"]) == 2
+    assert "--workers must be positive" in capsys.readouterr().err
+
+
+def test_an_interrupted_prepare_leaves_the_old_folder(corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    out = corpus["root"] / "again"
+    prepare(corpus["raw"], out, vocab=corpus["vocab"], workers=1, say=lambda _: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = 0
+    assemble = preparing._assemble
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt  # (Ctrl-C while the second pair is written)
+        return assemble(*args, **kwargs)
+
+    monkeypatch.setattr(preparing, "_assemble", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(corpus["raw"], out, vocab=corpus["vocab"], workers=1, overwrite=True, say=lambda _: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".again")]
+
+
+def quick(out: Path, data: Path, **kwargs: Any) -> TrainConfig:
+    flags = {"steps": 4, "batch": 16, "eval_every": 2, "checkpoint_every": 2, "progress": False, "tensorboard": "off"}
+    return TrainConfig(out=str(out), data=str(data), **{**flags, **kwargs})
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def test_training_on_prepared_data_is_training_on_the_folder(
+    corpus: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same losses from the in-memory corpus, from --data PREPARED and from --data FOLDER (prepared
+    into OUT/prepared once, reused by --resume); with --batch-tokens, the same for 1 and 2 stages and
+    resumed, the metrics saying the tokens and padding of each step."""
+    prepared = train(quick(tmp_path / "prepared", corpus["prepared"]))
+    folder = train(quick(tmp_path / "folder", corpus["raw"], vocab=str(corpus["vocab"])))
+    assert prepared["loss"] == folder["loss"] and losses(tmp_path / "prepared") == losses(tmp_path / "folder")
+    assert read_manifest(tmp_path / "folder" / "prepared")["vocab"] == read_manifest(corpus["prepared"])["vocab"]
+    import gpipe.train.loop as loop
+
+    monkeypatch.setattr(loop, "make_data", lambda cfg: ParallelCorpus(cfg.data, Vocab(corpus["vocab"]), seed=cfg.seed))
+    train(quick(tmp_path / "memory", corpus["raw"], vocab=str(corpus["vocab"])))
+    monkeypatch.undo()
+    assert not (tmp_path / "memory" / "prepared").exists()  # (the in-memory corpus was read)
+    assert losses(tmp_path / "memory") == losses(tmp_path / "prepared")
+
+    tokens = {"batch_tokens": 512, "max_length": 32}
+    train(quick(tmp_path / "k2", corpus["prepared"], **tokens))
+    train(quick(tmp_path / "k1", corpus["prepared"], partitions=1, **tokens))
+    assert losses(tmp_path / "k1") == losses(tmp_path / "k2")
+    train(quick(tmp_path / "half", corpus["prepared"], **tokens, steps=2))
+    train(quick(tmp_path / "half", corpus["prepared"], **tokens, resume=True))
+    assert losses(tmp_path / "half") == losses(tmp_path / "k2")
+    rows = [json.loads(line) for line in (tmp_path / "k2" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["padding"] < 0.5 and 0 < r["tokens"] <= 512 for r in rows)
+    with pytest.raises(ValueError, match="--batch-tokens 100 holds fewer than --chunks 4"):
+        quick(tmp_path / "small", corpus["prepared"], batch_tokens=100, max_length=32).check()
+    with pytest.raises(ValueError, match="is prepared data, with its own vocabulary"):
+        quick(tmp_path / "v", corpus["prepared"], vocab=str(corpus["vocab"])).check()
+
+
+def test_the_loader_makes_the_batches_ahead_in_order(corpus: dict[str, Path]) -> None:
+    data = PreparedCorpus(corpus["prepared"], length=32, seed=0)
+    want = [data.token_batch(256, step) for step in range(3, 9)]
+    for workers in (0, 2):
+        with StepLoader(lambda step: data.token_batch(256, step), 3, 8, workers=workers) as loader:
+            got = list(loader)
+        assert [s for s, _ in got] == list(range(3, 9)) and all(equal(b, w) for (_, b), w in zip(got, want))
+
+    def failing(step: int) -> int:
+        if step == 5:
+            raise RuntimeError("no batch 5")
+        return step
+
+    loader = StepLoader(failing, 1, 9)
+    seen = []
+    with pytest.raises(RuntimeError, match="no batch 5"):
+        for step, _ in loader:
+            seen.append(step)
+    loader.close()
+    assert seen == [1, 2, 3, 4]
