@@ -25,6 +25,7 @@ from gpipe.data.prepare import prepare
 from gpipe.data.prepared import PreparedCorpus, read_manifest
 from gpipe.data.vocab import Vocab, train_vocab
 from gpipe.train import TrainConfig, train
+from gpipe.train.data import train_batch
 
 WORDS = [f"{c}{v}{d}" for c in "bdfgklmnprst" for v in "aeiou" for d in "aeiou"]
 
@@ -224,8 +225,18 @@ def test_training_on_prepared_data_is_training_on_the_folder(
     assert losses(tmp_path / "half") == losses(tmp_path / "k2")
     rows = [json.loads(line) for line in (tmp_path / "k2" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["padding"] < 0.5 and 0 < r["tokens"] <= 512 for r in rows)
-    with pytest.raises(ValueError, match="--batch-tokens 100 holds fewer than --chunks 4"):
-        quick(tmp_path / "small", corpus["prepared"], batch_tokens=100, max_length=32).check()
+    assert all(
+        len(
+            train_batch(
+                PreparedCorpus(corpus["prepared"], length=32), quick(tmp_path, corpus["prepared"], **tokens), s
+            ).source
+        )
+        % 8
+        == 0
+        for s in range(20)
+    )
+    with pytest.raises(ValueError, match="--batch-tokens 100 makes batches of multiples of 8 sentences, 8 of"):
+        quick(tmp_path / "small", corpus["prepared"], batch_tokens=100, max_length=32, chunks=16).check()
     with pytest.raises(ValueError, match="is prepared data, with its own vocabulary"):
         quick(tmp_path / "v", corpus["prepared"], vocab=str(corpus["vocab"])).check()
 
@@ -250,3 +261,21 @@ def test_the_loader_makes_the_batches_ahead_in_order(corpus: dict[str, Path]) ->
             seen.append(step)
     loader.close()
     assert seen == [1, 2, 3, 4]
+
+
+def test_replicas_on_prepared_token_batches_train_as_one_and_resume_with_another_data_parallel(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """2 gloo ranks, --data-parallel 2, on prepared data in token batches: the losses of one process,
+    and the run resumed with --data-parallel 1 sees the same mini-batches (the same losses)."""
+    from tests.test_train_data_parallel import FLAGS, gpipe_train, rows, same_numbers
+
+    flags = ["--data", str(corpus["prepared"]), "--batch-tokens", "512", "--max-length", "32", "--partitions", "1"]
+    out = tmp_path / "d2"
+    gpipe_train(2, *flags, "--data-parallel", "2", "--steps", "4", "--out", str(out))
+    assert main(["train", *FLAGS, *flags, "--steps", "6", "--out", str(tmp_path / "d1")]) == 0
+    want = [{k: v for k, v in r.items() if not k.startswith("bleu")} for r in rows(tmp_path / "d1")]
+    same_numbers(rows(out), want[:4])
+    assert [r["tokens"] for r in rows(out)] == [r["tokens"] for r in want[:4]]
+    assert main(["train", *FLAGS, "--out", str(out), "--resume", "--steps", "6", "--data-parallel", "1"]) == 0
+    same_numbers([{k: v for k, v in r.items() if not k.startswith("bleu")} for r in rows(out)], want)

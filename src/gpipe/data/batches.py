@@ -76,13 +76,15 @@ class Draws:
         draws = torch.randint(0, 2**31 - 1, (size,), generator=g).tolist()
         return list(zip(chosen, draws))
 
-    def bucket_rows(self, bucket: int, tokens: int, least: int) -> int:
-        return max(tokens // self.bounds[bucket], least)
+    def bucket_rows(self, bucket: int, tokens: int, multiple: int) -> int:
+        """The rows of a batch of bucket ``bucket``: as many as ``tokens`` holds, rounded down to a
+        ``multiple`` (at least one multiple)."""
+        return max(tokens // self.bounds[bucket] // multiple, 1) * multiple
 
-    def tokens(self, g: torch.Generator, tokens: int, least: int) -> list[tuple[int, int]]:
-        """The (pair, index) draws of a batch of about ``tokens`` tokens a side, at least ``least`` rows."""
+    def tokens(self, g: torch.Generator, tokens: int, multiple: int) -> list[tuple[int, int]]:
+        """The (pair, index) draws of a batch of about ``tokens`` tokens a side, in a ``multiple`` of rows."""
         bucket = int(torch.multinomial(self.bucket_weights, 1, generator=g))
-        rows = self.bucket_rows(bucket, tokens, least)
+        rows = self.bucket_rows(bucket, tokens, multiple)
         chosen = torch.multinomial(self.within[bucket], rows, replacement=True, generator=g).tolist()
         draws = torch.randint(0, 2**31 - 1, (rows,), generator=g).tolist()
         return [(p, self.starts[p][bucket] + d % self.counts[p][bucket]) for p, d in zip(chosen, draws)]
@@ -123,10 +125,10 @@ class DrawnPairs(_Translation):
         picked = [h.row(d) for h, (_, d) in zip(held, rows)]
         return _translation_batch([s for s, _ in picked], [t for _, t in picked], [self.tags[h.name] for h in held])
 
-    def token_batch(self, tokens: int, step: int, *, least: int = 1) -> TranslationBatch:
-        """A training batch of about ``tokens`` tokens a side, padding included, from one length bucket
-        (at least ``least`` rows: the micro-batches of every replica)."""
-        return self._batch(self.draws.tokens(_generator(self.seed, "train", step), tokens, least))
+    def token_batch(self, tokens: int, step: int, *, multiple: int = 1) -> TranslationBatch:
+        """A training batch of about ``tokens`` tokens a side, padding included, from one length bucket,
+        its rows a ``multiple`` (``gpipe train``: 8, which 1, 2, 4 and 8 replicas share alike)."""
+        return self._batch(self.draws.tokens(_generator(self.seed, "train", step), tokens, multiple))
 
     def held_out(self) -> dict[str, HeldOut]:
         return dict(self.sets)

@@ -287,11 +287,12 @@ class TrainConfig:
                 f"--batch-tokens {self.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for "
                 f"the transformer (model: {self.model!r}, data: {self.data!r}); give such --data, or use --batch"
             )
-        if self.batch_tokens and self.batch_tokens < (least := self.max_length * self.chunks * self.data_parallel):
+        rows = max(self.batch_tokens // self.max_length // 8, 1) * 8  # (the longest bucket's, see train/data.py)
+        if self.batch_tokens and (8 % self.data_parallel or rows < self.chunks * self.data_parallel):
             raise ConfigError(
-                f"--batch-tokens {self.batch_tokens} holds fewer than --chunks {self.chunks} x --data-parallel "
-                f"{self.data_parallel} sentences of the longest bucket (--max-length {self.max_length}): give at "
-                f"least {least}"
+                f"--batch-tokens {self.batch_tokens} makes batches of multiples of 8 sentences, {rows} of the longest "
+                f"(--max-length {self.max_length}): --data-parallel {self.data_parallel} must divide 8 and --chunks "
+                f"{self.chunks} x --data-parallel {self.data_parallel} be at most {rows}"
             )
         if self.augment and not (self.model == "amoebanet" and self.data):
             raise ConfigError(

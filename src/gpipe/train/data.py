@@ -17,17 +17,19 @@ from gpipe.data.prepared import PreparedError, file_digest, is_prepared, read_ma
 from gpipe.saving import write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["CACHE", "prepared_folder", "train_batch"]
+__all__ = ["CACHE", "ROWS", "prepared_folder", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
+ROWS = 8  # --batch-tokens' batches hold a multiple of 8 rows: the same batches for 1, 2, 4 and 8 replicas
 
 
 def train_batch(data: Any, cfg: TrainConfig, step: int) -> Any:
     """Step ``step``'s training batch: about ``--batch-tokens`` tokens from one length bucket, else
     ``--batch`` rows. A pure function of (seed, step): the same whatever the layout (``--partitions``,
-    ``--data-parallel``), which the config checks can hold a row for each micro-batch of each replica."""
+    ``--data-parallel`` dividing :data:`ROWS`; the config checks that the longest bucket's batch holds a
+    row for each micro-batch of each replica)."""
     if cfg.batch_tokens:
-        return data.token_batch(cfg.batch_tokens, step)
+        return data.token_batch(cfg.batch_tokens, step, multiple=ROWS)
     return data.batch(cfg.batch, step)
 
 
