@@ -16,8 +16,8 @@ import torch
 from gpipe.balance import balance_by_flops
 from gpipe.cli import main
 from gpipe.data import BOS, EOS, PAD
+from gpipe.data.text import TextLines
 from gpipe.data.vocab import Vocab
-from gpipe.models import hf
 from gpipe.pipeline import Pipeline
 from gpipe.saving import load
 from gpipe.train import TrainConfig, train
@@ -121,7 +121,7 @@ def test_text_is_read_with_the_sentencepiece_vocabulary_the_run_trains(gpt2_run:
     vocab = Vocab(gpt2_run / "vocab.model")
     settings = json.loads((_newest(gpt2_run) / "run.json").read_text())["config"]
     data = make_data(TrainConfig(**{k: v for k, v in settings.items() if k in TrainConfig.__dataclass_fields__}))
-    assert isinstance(data, hf.TextLines) and data.vocab == vocab.size
+    assert isinstance(data, TextLines) and data.vocab == vocab.size
     lines = set(text.read_text(encoding="utf-8").splitlines())
     for row in data.splits["train"][:20].tolist():
         ids = [i for i in row if i != PAD]

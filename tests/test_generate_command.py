@@ -21,10 +21,10 @@ from torch.nn import functional
 
 from gpipe.cli import main
 from gpipe.data import PAD, SyntheticTranslation
+from gpipe.data.text import CausalPairs, TextLines
 from gpipe.data.vocab import Vocab
 from gpipe.evaluation import SAMPLE_TOKENS
 from gpipe.generate import Generator, Options
-from gpipe.models import hf
 from gpipe.train import TrainConfig, train
 from gpipe.train.metrics import eval_postfix
 from gpipe.train.setup import make_data
@@ -191,7 +191,7 @@ def test_runs_that_are_not_of_text_are_refused(tmp_path: Path, capsys: pytest.Ca
 def test_a_pairs_sample_prompt_is_its_source_and_the_targets_tag() -> None:
     pairs = SyntheticTranslation()
     pair = pairs.batch(1, 0, split="eval")
-    causal = hf.CausalPairs(pairs)
+    causal = CausalPairs(pairs)
     assert causal.sample_prompt() == [*pair.source[0].tolist(), int(pair.target_in[0, 0])]
     assert causal.text(pair.target_out[0].tolist()) == pairs.detokenize(pair.target_out[0].tolist()) != ""
 
@@ -220,7 +220,7 @@ def test_training_reports_the_perplexity_and_a_sample(run: Path, exported: tuple
     assert last["eval_loss"] != pytest.approx(total / tokens, rel=1e-3)  # (label smoothing's loss is not it)
     # The sample: a held-out document's start, and the model's greedy continuation (as many tokens as
     # the model's positions leave, at most SAMPLE_TOKENS).
-    assert isinstance(data, hf.TextLines)
+    assert isinstance(data, TextLines)
     prompt = data.sample_prompt()
     new = min(SAMPLE_TOKENS, model.config.n_positions - len(prompt))
     with torch.no_grad():

@@ -15,7 +15,7 @@ import torch
 
 from gpipe.cli import main
 from gpipe.data import PAD, SyntheticTranslation
-from gpipe.models.hf import CausalPairs
+from gpipe.data.text import CausalPairs
 from gpipe.train import TrainConfig, parse, train
 from tests.dist_harness import free_port
 

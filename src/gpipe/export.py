@@ -91,7 +91,8 @@ def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
 
 def _config(folder: Path) -> Any:
     """The transformers config the checkpoint ``folder`` keeps."""
-    from gpipe.models.hf import CONFIG, _transformers
+    from gpipe.data.tokenizer import _transformers
+    from gpipe.models.hf import CONFIG
 
     file = folder / CONFIG
     if not file.is_file():
@@ -127,8 +128,8 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, o
     target = Path(out)
     _check_out(target, folder, overwrite)
     config = _config(folder)
-    from gpipe.models import tokenizer as tokenizers
-    from gpipe.models.hf import _transformers
+    from gpipe.data import tokenizer as tokenizers
+    from gpipe.data.tokenizer import _transformers
 
     model = _transformers().AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     step = load_module(model, folder)

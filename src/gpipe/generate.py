@@ -121,8 +121,8 @@ class Generator:
     built and the weights loaded at the first :meth:`generate`."""
 
     def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1) -> None:
+        from gpipe.data import tokenizer as tokenizers
         from gpipe.export import _config, _run_model
-        from gpipe.models import tokenizer as tokenizers
         from gpipe.models.hf import layer_count
 
         self.folder = find_checkpoint(checkpoint)
@@ -161,8 +161,8 @@ class Generator:
         """The pipeline of the checkpoint's weights (built at the first call)."""
         if self.pipe is not None:
             return self.pipe
+        from gpipe.data.tokenizer import _transformers
         from gpipe.generation.traced import cached_layers
-        from gpipe.models.hf import _transformers
 
         with torch.device("meta"):
             model = _transformers().AutoModelForCausalLM.from_config(
@@ -261,7 +261,7 @@ class Generator:
 
     def text(self, ids: Sequence[int]) -> str:
         """``ids`` read with the run's tokenizer (an id beyond it reads ``<id N>``)."""
-        from gpipe.models.hf import decode_text
+        from gpipe.data.text import decode_text
 
         return decode_text(self.tokenizer, ids)
 

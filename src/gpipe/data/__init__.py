@@ -1,4 +1,4 @@
-"""Data for ``gpipe train``, nothing to download.
+"""Data for ``gpipe train``, nothing to download: every data source and every tokenizer lives here.
 
 Every data set has ``batch(size, step, split=...)`` returning a batch with ``inputs``, ``target``
 and ``count`` (tokens or images, for the throughput), a ``unit`` naming what ``count`` counts, and
@@ -22,13 +22,19 @@ random pattern; an image is its class's pattern, shifted, scaled in contrast and
 folder with one sub-folder of images per class (decoded when a batch needs them), in seeded epochs, cropped
 and flipped with ``augment``; :mod:`~gpipe.data.imagefiles` holds its two sources and the crop.
 
+A causal LM (``--model hf``) reads :mod:`gpipe.data.text`: pairs as one sequence (``CausalPairs``) or
+a text file, a document a line (``TextLines``), read with a tokenizer of :mod:`gpipe.data.tokenizer`
+(a SentencePiece vocabulary, or a local ``tokenizer.json``).
+
 Batches are a pure function of (seed, step): a run resumed at step N sees exactly the batches an
 uninterrupted run sees.
 
 An application part: imports the library, :mod:`gpipe.recipe` and its own modules (:mod:`~gpipe.data.base`,
-:mod:`~gpipe.data.synthetic`, :mod:`~gpipe.data.corpus`, :mod:`~gpipe.data.images`, :mod:`~gpipe.data.imagefiles`,
-:mod:`~gpipe.data.vocab`);
-``import gpipe.data`` does not import ``sentencepiece``, which only :mod:`gpipe.data.vocab` imports, lazily.
+:mod:`~gpipe.data.synthetic`, :mod:`~gpipe.data.corpus`, :mod:`~gpipe.data.images`,
+:mod:`~gpipe.data.imagefiles`, :mod:`~gpipe.data.vocab`, :mod:`~gpipe.data.text`, :mod:`~gpipe.data.tokenizer`),
+never :mod:`gpipe.models` (models import data);
+``import gpipe.data`` does not import ``sentencepiece``, ``transformers`` or ``tokenizers``, which only
+:mod:`gpipe.data.vocab` and :mod:`gpipe.data.tokenizer` import, lazily.
 """
 
 from gpipe.data.base import (

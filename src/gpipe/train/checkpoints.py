@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset
-from gpipe.models import hf, tokenizer
+from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
+from gpipe.data.text import TextLines
+from gpipe.models import hf
 from gpipe.pipeline import Pipeline
 from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
@@ -62,7 +63,7 @@ class Checkpoints:
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
         if self.config is not None:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
-        if isinstance(data, hf.TextLines):
+        if isinstance(data, TextLines):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)
         return extra

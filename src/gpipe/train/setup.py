@@ -22,9 +22,11 @@ from gpipe.data import (
     SyntheticTranslation,
     TextPairs,
     TokenDataset,
+    tokenizer,
 )
+from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab, VocabSizeError, read_pairs, train_text_vocab, train_vocab
-from gpipe.models import amoebanet, amoebanet_d, hf, tokenizer, transformer
+from gpipe.models import amoebanet, amoebanet_d, hf, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
 
@@ -48,14 +50,14 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
 def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
         if cfg.data:
-            data = hf.text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
-            if cfg.tokenizer and not isinstance(data, hf.TextLines):
+            data = text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
+            if cfg.tokenizer and not isinstance(data, TextLines):
                 raise ConfigError(
                     f"--tokenizer is for text, a document a line; --data {cfg.data!r} holds source<TAB>target lines, "
                     "read with a vocabulary of their words: leave --tokenizer out"
                 )
             return data
-        return hf.CausalPairs(SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed))
+        return CausalPairs(SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed))
     if cfg.model == "amoebanet":
         if cfg.data:
             return ImageFiles(cfg.data, size=cfg.image_size, seed=cfg.seed)
@@ -138,7 +140,7 @@ def _train_vocab(cfg: TrainConfig, path: Path) -> None:
     to 8000 (said in one line when fewer). :func:`train_vocab` writes both files whole or not at all."""
     train: Callable[..., Path]
     if cfg.model == "hf":  # --data TEXT: on its lines
-        lines = hf.read_lines(cfg.data)
+        lines = read_lines(cfg.data)
         draws = min(1_000_000, len(lines))
         what = f"{draws} lines of {cfg.data}"
         train = functools.partial(train_text_vocab, lines, sample=draws)
@@ -172,7 +174,7 @@ def _images(data: Dataset) -> ImageDataset:
     return data
 
 
-def _hf_tokenizer(cfg: TrainConfig) -> hf.Tokenizer:
+def _hf_tokenizer(cfg: TrainConfig) -> Tokenizer:
     """What ``--model hf`` reads a text file with: ``--tokenizer``, else the SentencePiece vocabulary
     ``OUT/vocab.model``, trained on the file's lines on the first run as ``--data FOLDER``'s is."""
     if not cfg.tokenizer:
@@ -189,7 +191,7 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
     built from, and what every checkpoint keeps as ``config.json``."""
     config = cfg.hf_model_config()
     where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
-    text = data if isinstance(data, hf.TextLines) else None
+    text = data if isinstance(data, TextLines) else None
     try:
         if config is None:
             ends = {"bos": text.bos, "eos": text.eos} if text is not None else {}

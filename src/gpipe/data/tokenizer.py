@@ -1,6 +1,6 @@
 """The tokenizers of ``gpipe train --model hf`` on a text file, and the ones ``gpipe export`` writes.
 
-A text file is read with one of two tokenizers (:class:`gpipe.models.hf.TextLines`):
+A text file is read with one of two tokenizers (:class:`gpipe.data.text.TextLines`):
 
 - a SentencePiece vocabulary (:class:`gpipe.data.vocab.Vocab`): trained on the file's lines into
   ``OUT/vocab.model`` as a translation run trains its own (``--vocab-size``), or given as
@@ -14,7 +14,8 @@ Every checkpoint keeps a copy (:func:`checkpoint_files`), and :func:`exported` t
 tokenizer transformers loads: the SentencePiece model converted into a ``tokenizer.json``
 (:func:`from_sentencepiece`, checked to give SentencePiece's ids), the other as it was read.
 
-transformers and tokenizers are imported only when these functions run.
+transformers and tokenizers are imported only when these functions run (:func:`_transformers`, which
+:mod:`gpipe.models.hf` builds its models with too).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from gpipe.data.text import Tokenizer
 from gpipe.data.vocab import Vocab
-from gpipe.models.hf import Tokenizer, _transformers
 
 __all__ = [
     "TOKENIZER",
@@ -44,6 +45,20 @@ __all__ = [
 VOCAB, TOKENIZER, TOKENIZER_CONFIG = "vocab.model", "tokenizer.json", "tokenizer_config.json"
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _WORD = "\u2581"  # "▁": SentencePiece's mark of a word's start
+
+
+def _transformers() -> Any:
+    # Offline, unless the caller says otherwise: nothing here reads the Hub (local files, from_config),
+    # and this keeps anything transformers might try from reaching it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "--model hf needs transformers: install gpipe's hf extra (pip install -c constraints.txt '.[hf]' in "
+            "gpipe's folder), or pip install transformers==5.23.0"
+        ) from None
+    return transformers
 
 
 class HFTokenizer:
