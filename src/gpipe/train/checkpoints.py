@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
+from gpipe.data.prepared import PreparedCorpus
 from gpipe.data.text import TextLines
 from gpipe.models import hf
 from gpipe.pipeline import Pipeline
@@ -59,7 +60,7 @@ class Checkpoints:
         if isinstance(data, TranslationDataset):
             run["pairs"] = data.pair_sizes
         extra[RUN] = lambda p: p.write_text(json.dumps(run, indent=1) + "\n")
-        if isinstance(data, ParallelCorpus):
+        if isinstance(data, (ParallelCorpus, PreparedCorpus)):
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
         if self.config is not None:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")

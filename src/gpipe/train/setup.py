@@ -4,9 +4,8 @@ and the optimizer."""
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,19 @@ from gpipe.data import (
     Dataset,
     ImageDataset,
     ImageFiles,
-    ParallelCorpus,
     SyntheticImages,
     SyntheticTranslation,
     TextPairs,
     TokenDataset,
     tokenizer,
 )
+from gpipe.data.prepared import PreparedCorpus
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
-from gpipe.data.vocab import Vocab, VocabSizeError, read_pairs, train_text_vocab, train_vocab
+from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
+from gpipe.train.data import prepared_folder
 
 __all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
 
@@ -60,11 +60,10 @@ def make_data(cfg: TrainConfig) -> Dataset:
         return CausalPairs(SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed))
     if cfg.model == "amoebanet":
         if cfg.data:
-            return ImageFiles(cfg.data, size=cfg.image_size, seed=cfg.seed)
+            return ImageFiles(cfg.data, size=cfg.image_size, seed=cfg.seed, augment=cfg.augment)
         return SyntheticImages(classes=cfg.classes, size=cfg.image_size, seed=cfg.seed)
-    if cfg.parallel_folder:
-        return ParallelCorpus(cfg.data, _vocab(cfg), length=cfg.max_length, temperature=cfg.temperature,
-                              held_out=cfg.eval_sentences, seed=cfg.seed)  # fmt: skip
+    if cfg.parallel_folder:  # prepared (once, for a folder of pair files), memory-mapped
+        return PreparedCorpus(prepared_folder(cfg), length=cfg.max_length, temperature=cfg.temperature, seed=cfg.seed)
     if cfg.data:
         return TextPairs(cfg.data, seed=cfg.seed)
     return SyntheticTranslation(temperature=cfg.temperature, seed=cfg.seed)
@@ -108,9 +107,9 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
 
 
 def _vocab(cfg: TrainConfig) -> Vocab:
-    """``--data FOLDER``'s shared vocabulary: ``--vocab``, or ``OUT/vocab.model``, trained by rank 0
-    on the first run (from ``min(10^6, sentence pairs)`` draws at ``--temperature``; ``--model hf``:
-    from a text file's lines) and written whole or not at all."""
+    """``--model hf --data TEXT``'s SentencePiece vocabulary: ``OUT/vocab.model``, trained by rank 0
+    on the first run (on ``min(10^6, lines)`` of the text's lines) and written whole or not at all.
+    (A folder of language pairs gets its vocabulary where it is prepared: :mod:`gpipe.train.data`.)"""
     path = cfg.vocab_path()
     if not path.exists():
         if cfg.resume:
@@ -127,33 +126,25 @@ def _vocab(cfg: TrainConfig) -> Vocab:
             error = shared[0]
         if error is not None:
             raise ConfigError(error)
-    elif not cfg.vocab and not cfg.resume and process_rank() == 0:
+    elif not cfg.resume and process_rank() == 0:
         print(f"using the vocabulary {path} of an earlier run (delete it to train a new one)", file=sys.stderr)
     try:
         return Vocab(path)
     except ValueError as exc:
-        raise ConfigError(f"{exc}; give a SentencePiece .model as --vocab") from exc
+        raise ConfigError(f"{exc}; delete it to train a new one") from exc
 
 
 def _train_vocab(cfg: TrainConfig, path: Path) -> None:
-    """Train ``path`` (and its ``.vocab``): ``--vocab-size`` pieces, or with 0 as many as the text supports up
-    to 8000 (said in one line when fewer). :func:`train_vocab` writes both files whole or not at all."""
-    train: Callable[..., Path]
-    if cfg.model == "hf":  # --data TEXT: on its lines
-        lines = read_lines(cfg.data)
-        draws = min(1_000_000, len(lines))
-        what = f"{draws} lines of {cfg.data}"
-        train = functools.partial(train_text_vocab, lines, sample=draws)
-    else:
-        pairs = read_pairs(cfg.data)
-        draws = min(1_000_000, sum(len(p) for p in pairs.values()))
-        what = f"{draws} sentence pairs of {cfg.data} (T={cfg.temperature:g})"
-        train = functools.partial(train_vocab, pairs, temperature=cfg.temperature, sample=draws)
+    """Train ``path`` (and its ``.vocab``) on the text's lines: ``--vocab-size`` pieces, or with 0 as many as
+    the text supports up to 8000 (said in one line when fewer). Both files are written whole or not at all."""
+    lines = read_lines(cfg.data)
+    draws = min(1_000_000, len(lines))
     size = cfg.vocab_size or _VOCAB_SIZE
     pieces = f"{size}" if cfg.vocab_size else f"up to {size}"
-    print(f"training a vocabulary of {pieces} pieces on {what} into {path}", file=sys.stderr)
+    print(f"training a vocabulary of {pieces} pieces on {draws} lines of {cfg.data} into {path}", file=sys.stderr)
     try:
-        model = train(path.with_suffix(""), size=size, exact=bool(cfg.vocab_size), seed=cfg.seed)
+        model = train_text_vocab(lines, path.with_suffix(""), size=size, exact=bool(cfg.vocab_size), sample=draws,
+                                 seed=cfg.seed)  # fmt: skip
     except VocabSizeError as exc:
         raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
     made = Vocab(model).size
