@@ -279,3 +279,58 @@ def test_replicas_on_prepared_token_batches_train_as_one_and_resume_with_another
     assert [r["tokens"] for r in rows(out)] == [r["tokens"] for r in want[:4]]
     assert main(["train", *FLAGS, "--out", str(out), "--resume", "--steps", "6", "--data-parallel", "1"]) == 0
     same_numbers([{k: v for k, v in r.items() if not k.startswith("bleu")} for r in rows(out)], want)
+
+
+def test_a_prepared_text_is_the_text_file_for_a_causal_lm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpipe prepare on a text file: TextLines' documents, held-out tenth and batches from memory-mapped
+    arrays; gpipe train --model hf on it gives the losses of the file read with the same tokenizer."""
+    from gpipe.data.prepared import PreparedText
+    from gpipe.data.text import TextLines
+
+    rng = random.Random(3)
+    lines = [" ".join(rng.choice(WORDS[:40]) for _ in range(rng.randint(1, 40))) for _ in range(400)]
+    lines[7] = "  "  # (a blank line: not a document)
+    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    argv = ["prepare", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "p"), "--workers", "2"]
+    assert main([*argv, "--seed", "5"]) == 0  # (the seed of the held-out tenth: TextLines' with --seed 5)
+    assert "wrote " in capsys.readouterr().out
+    prepared = PreparedText(tmp_path / "p", seed=5)
+    memory = TextLines(tmp_path / "text.txt", Vocab(tmp_path / "p" / "vocab.model"), seed=5)
+    assert prepared.length == memory.length and prepared.sizes == {"train": 360, "eval": 39}
+    for step in range(4):
+        for split in ("train", "eval"):
+            a, b = prepared.batch(8, step, split=split), memory.batch(8, step, split=split)
+            assert torch.equal(a.inputs, b.inputs) and torch.equal(a.target, b.target)
+    assert prepared.sample_prompt() == memory.sample_prompt()
+    assert prepared.baseline() == pytest.approx(memory.baseline(), rel=0.05)  # (counted on whole documents)
+
+    flags = [
+        "train",
+        "--model",
+        "hf",
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--batch",
+        "8",
+        "--no-progress",
+        "--seed",
+        "5",
+    ]
+    assert main([*flags, "--data", str(tmp_path / "p"), "--out", str(tmp_path / "a")]) == 0
+    tokenizer = str(tmp_path / "p" / "vocab.model")
+    assert (
+        main([*flags, "--data", str(tmp_path / "text.txt"), "--tokenizer", tokenizer, "--out", str(tmp_path / "b")])
+        == 0
+    )
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert (tmp_path / "a" / "checkpoints" / "step-00000002" / "vocab.model").is_file()  # (for gpipe generate)
+
+    (tmp_path / "bad.txt").write_bytes(b"one line\nanother \xfe one\n")
+    assert main(["prepare", "--data", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "q")]) == 2
+    assert "bad.txt:2: not UTF-8 text" in capsys.readouterr().err
+    assert (
+        main(["prepare", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "q"), "--vocab", tokenizer]) == 2
+    )
+    assert "--vocab is the shared vocabulary of a folder" in capsys.readouterr().err

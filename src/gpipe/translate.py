@@ -87,7 +87,7 @@ class Translator:
             settings, kind = dict(run["config"]), run["data"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{str(self.folder / RUN)!r} is not a run description of gpipe train: {exc!r}") from None
-        if kind != "ParallelCorpus" or not (self.folder / VOCAB).is_file():
+        if kind not in ("ParallelCorpus", "PreparedCorpus") or not (self.folder / VOCAB).is_file():
             raise UsageError(
                 f"{str(self.folder)!r} is a checkpoint of a run on {kind}, without a SentencePiece vocabulary: "
                 "gpipe translate needs a run of gpipe train --data FOLDER (a folder of parallel files)"

@@ -1,9 +1,12 @@
 """``gpipe prepare --data DIR --out PREPARED``: every language pair of a folder tokenized once into
 memory-mapped token arrays with an offsets index (:mod:`gpipe.data.prepare`), which
-``gpipe train --data PREPARED`` reads with memory that does not grow with the corpus.
+``gpipe train --data PREPARED`` reads with memory that does not grow with the corpus. A text file, a
+document a line, is prepared alike for ``gpipe train --model hf`` (:mod:`gpipe.data.prepare_text`).
 
     gpipe prepare --data corpus/ --out corpus.prepared --workers 4
     gpipe train --data corpus.prepared --batch-tokens 4096
+    gpipe prepare --data text.txt --out text.prepared --tokenizer tokenizer.json
+    gpipe train --model hf --data text.prepared
 
 The files are streamed (never held whole), the shared SentencePiece vocabulary is trained on a
 bounded, seeded sample (or ``--vocab`` is used), each pair's held-out sentences are taken out as
@@ -33,10 +36,22 @@ def _parser() -> ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--data", required=True, metavar="DIR", help="a folder of pair files: xx-yy.tsv, or xx-yy.xx + xx-yy.yy"
+        "--data",
+        required=True,
+        metavar="PATH",
+        help="a folder of pair files (xx-yy.tsv, or xx-yy.xx + xx-yy.yy), or a text file, a document a line (for "
+        "gpipe train --model hf)",
     )
     p.add_argument("--out", required=True, metavar="PREPARED", help="the folder to write (new, or with --overwrite)")
-    p.add_argument("--vocab", metavar="PATH", help="a SentencePiece .model to use (default: train one on a sample)")
+    p.add_argument(
+        "--vocab", metavar="PATH", help="a folder: the SentencePiece .model to use (default: train one on a sample)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a text file: a tokenizer.json (or its folder) or a SentencePiece .model to read it with (default: train "
+        "a SentencePiece vocabulary on a sample of its lines)",
+    )
     p.add_argument(
         "--vocab-size",
         type=int,
@@ -87,23 +102,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(f"--vocab-size must be 0 or more (got {args.vocab_size})")
     if args.vocab and args.vocab_size:
         return refuse("--vocab brings its own vocabulary and --vocab-size sizes one to train: give one of them")
-    if not Path(args.data).is_dir():
-        return refuse(f"--data {args.data!r} is not a folder")
-    from gpipe.data.prepare import prepare
-
+    text = Path(args.data).is_file()
+    if not text and not Path(args.data).is_dir():
+        return refuse(f"--data {args.data!r}: no such folder or file")
+    if args.tokenizer and not text:
+        return refuse(f"--tokenizer reads a text file's documents (--data {args.data!r} is a folder): use --vocab")
+    if args.vocab and text:
+        return refuse(f"--vocab is the shared vocabulary of a folder of language pairs (--data {args.data!r} is a "
+                      "text file): use --tokenizer")  # fmt: skip
+    if args.tokenizer and args.vocab_size:
+        return refuse("--tokenizer brings its own vocabulary and --vocab-size sizes one to train: give one of them")
     try:
-        out = prepare(args.data, args.out, vocab=args.vocab, vocab_size=args.vocab_size, temperature=args.temperature,
-                      sample=args.sample, held_out=args.held_out, seed=args.seed, workers=args.workers,
-                      skip_bad=args.skip_bad, overwrite=args.overwrite)  # fmt: skip
+        if text:
+            from gpipe.data.prepare_text import prepare_text
+
+            out = prepare_text(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                               sample=args.sample, seed=args.seed, workers=args.workers, skip_bad=args.skip_bad,
+                               overwrite=args.overwrite)  # fmt: skip
+        else:
+            from gpipe.data.prepare import prepare
+
+            out = prepare(args.data, args.out, vocab=args.vocab, vocab_size=args.vocab_size,
+                          temperature=args.temperature, sample=args.sample, held_out=args.held_out, seed=args.seed,
+                          workers=args.workers, skip_bad=args.skip_bad, overwrite=args.overwrite)  # fmt: skip
     except (ValueError, ImportError) as exc:
         return refuse(exc)
     except OSError as exc:  # no permission, a full disk: the old --out is intact
         return refuse(f"cannot write --out {args.out!r}: {exc.strerror or exc}; it is left as it was")
     manifest = json.loads((out / "manifest.json").read_text())
-    rate = manifest["sentences"] / max(manifest["seconds"], 1e-9)
+    seconds = max(manifest["seconds"], 1e-9)
+    if text:
+        print(f"wrote {out}: {manifest['documents']} documents ({manifest['train']} training, {manifest['eval']} "
+              f"held out), {manifest['tokens']} tokens, {manifest['tokenizer']['size']} tokens in the vocabulary, in "
+              f"{manifest['seconds']:.1f} s ({manifest['documents'] / seconds:.0f} documents/s, {args.workers} "
+              "worker(s))")  # fmt: skip
+        if manifest["bad_lines"]:
+            print(f"skipped bad lines: {sum(manifest['bad_lines'].values())} (manifest.json: by kind)")
+        return 0
     print(f"wrote {out}: {len(manifest['pairs'])} language pairs, {manifest['sentences']} sentence pairs, "
           f"{manifest['tokens']} tokens, {manifest['vocab']['size']} pieces, in {manifest['seconds']:.1f} s "
-          f"({rate:.0f} sentence pairs/s, {args.workers} worker(s))")  # fmt: skip
+          f"({manifest['sentences'] / seconds:.0f} sentence pairs/s, {args.workers} worker(s))")  # fmt: skip
     bad = {name: sum(e["bad_lines"].values()) for name, e in manifest["pairs"].items() if e["bad_lines"]}
     if bad:
         print(f"skipped bad lines: {', '.join(f'{name} {n}' for name, n in bad.items())} (manifest.json: by kind)")

@@ -42,14 +42,20 @@ class PairFiles:
     src: str
     tgt: str
     files: tuple[Path, ...]
+    text: bool = False  # one text file, a document a line (a record's target is "")
 
     @property
     def name(self) -> str:
-        return f"{self.src}-{self.tgt}"
+        return "text" if self.text else f"{self.src}-{self.tgt}"
 
     @property
     def tsv(self) -> bool:
-        return len(self.files) == 1
+        return len(self.files) == 1 and not self.text
+
+    @classmethod
+    def document_file(cls, path: Path) -> PairFiles:
+        """A text file of documents, one a line: its records are (index, line, "")."""
+        return cls("", "", (path,), text=True)
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,12 @@ def records(
             offsets[i] += len(r)
         try:
             texts = [_text(path, number, r) for path, r in zip(pair.files, raw)]
-            if pair.tsv:
+            if pair.text:
+                if not texts[0].strip():
+                    counts.blank += 1
+                    continue
+                source, target = texts[0], ""
+            elif pair.tsv:
                 if not texts[0].strip():
                     counts.blank += 1
                     continue
@@ -193,7 +204,7 @@ def records(
                 if not source.strip() and not target.strip():
                     counts.blank += 1
                     continue
-            if not source.strip() or not target.strip():
+            if not pair.text and (not source.strip() or not target.strip()):
                 side, path = ("source", pair.files[0]) if not source.strip() else ("target", pair.files[-1])
                 raise BadLineError(path, number, f"the {side} side is empty", "empty")
         except BadLineError as bad:

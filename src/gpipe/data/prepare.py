@@ -43,7 +43,7 @@ from gpipe.data.prepared import FORMAT, MANIFEST, VERSION, file_digest, source_f
 from gpipe.data.vocab import Vocab, VocabSizeError, tag_piece, train_text_vocab
 from gpipe.recipe import temperature_sampling
 
-__all__ = ["CHUNK", "DEFAULT_VOCAB_SIZE", "prepare"]
+__all__ = ["CHUNK", "DEFAULT_VOCAB_SIZE", "prepare", "write_prepared"]
 
 CHUNK = 50_000  # sentence pairs of one encoding task
 DEFAULT_VOCAB_SIZE = 8000  # the most pieces of a vocabulary trained with vocab_size 0
@@ -244,13 +244,32 @@ def prepare(
         raise ValueError(
             f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
         )
+    if vocab is not None and not Path(vocab).is_file():
+        raise ValueError(f"--vocab {str(vocab)!r}: no such file; give a SentencePiece .model, or leave --vocab out")
+
+    def build(pool: concurrent.futures.Executor, scratch: Path) -> dict[str, Any]:
+        return _prepare(pool, root, pairs, given, scratch, vocab=vocab, vocab_size=vocab_size, temperature=temperature,
+                        sample=sample, held_out=held_out, seed=seed, skip_bad=skip_bad, say=say)  # fmt: skip
+
+    return write_prepared(target, build, workers=workers, overwrite=overwrite)
+
+
+def write_prepared(
+    target: Path,
+    build: Callable[[concurrent.futures.Executor, Path], dict[str, Any]],
+    *,
+    workers: int,
+    overwrite: bool,
+) -> Path:
+    """Make prepared folder ``target``: ``build(pool, scratch)`` writes its files into ``scratch`` (a
+    folder beside ``target``, with a ``chunks/`` folder for its own use) with ``workers`` processes and
+    returns the manifest, written last; then ``scratch`` is renamed ``target`` (an older prepared folder
+    there is replaced only with ``overwrite``). Whatever stops it, ``target`` is left as it was."""
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         if not (target / MANIFEST).is_file():
             raise ValueError(f"--out {str(target)!r} exists and is not prepared data: give a new or empty folder")
         if not overwrite:
             raise ValueError(f"--out {str(target)!r} holds prepared data already; add --overwrite to replace it")
-    if vocab is not None and not Path(vocab).is_file():
-        raise ValueError(f"--vocab {str(vocab)!r}: no such file; give a SentencePiece .model, or leave --vocab out")
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -258,9 +277,7 @@ def prepare(
     began = time.perf_counter()
     try:
         with _pool(workers) as pool:
-            manifest = _prepare(pool, root, pairs, given, scratch, vocab=vocab, vocab_size=vocab_size,
-                                temperature=temperature, sample=sample, held_out=held_out, seed=seed,
-                                skip_bad=skip_bad, say=say)  # fmt: skip
+            manifest = build(pool, scratch)
         manifest["seconds"] = round(time.perf_counter() - began, 3)
         manifest["workers"] = workers
         shutil.rmtree(scratch / "chunks")

@@ -15,17 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from gpipe.data.base import EOS
+from gpipe.data.base import EOS, PAD, entropy
 from gpipe.data.batches import DrawnPairs, Draws
 from gpipe.data.corpus import detokenize, held_out_set
 from gpipe.data.files import find_pairs
+from gpipe.data.text import SAMPLE_PROMPT, CausalBatch, decode_text
 from gpipe.recipe import temperature_sampling
+from gpipe.rng import derive_seed
 
 __all__ = [
     "FORMAT",
@@ -33,6 +37,7 @@ __all__ = [
     "VERSION",
     "PreparedCorpus",
     "PreparedError",
+    "PreparedText",
     "file_digest",
     "is_prepared",
     "read_manifest",
@@ -194,3 +199,92 @@ class PreparedCorpus(DrawnPairs):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return detokenize(self.vocab_model, ids)
+
+
+class PreparedText:
+    """The documents of a text file prepared by ``gpipe prepare --data TEXT``, with
+    :class:`~gpipe.data.text.TextLines`' batches of the same file and tokenizer (the same held-out
+    tenth, the same rows drawn): ``BOS pieces EOS`` cut at ``length`` + 1 tokens (or the longest
+    document's, if shorter), padded with id 0. The baseline is the unigram entropy of the training
+    documents' targets, counted whole when prepared. Memory: none per document; the tokenizer (the
+    prepared folder's copy) loads when first used."""
+
+    unit = "tokens"
+    baseline_name = "unigram entropy"
+
+    def __init__(self, path: str | os.PathLike[str], *, length: int = 64, seed: int = 0) -> None:
+        self.path = Path(path)
+        self.manifest = manifest = read_manifest(self.path)
+        if manifest.get("kind") != "text":
+            raise PreparedError(
+                f"{str(self.path)!r} holds {manifest.get('kind')!r} data, not the text of a causal LM (gpipe prepare "
+                "--data TEXT_FILE makes it)"
+            )
+        self.seed, self.dtype = seed, np.dtype(manifest["dtype"])
+        self.length = min(length, int(manifest["longest"]) - 1)
+        self.bos, self.eos = manifest["tokenizer"]["bos"], manifest["tokenizer"]["eos"]
+        self.sizes = {"train": int(manifest["train"]), "eval": int(manifest["eval"])}
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+        self._tokenizer: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None, "_tokenizer": None}
+
+    @property
+    def vocab(self) -> int:
+        return int(self.manifest["tokenizer"]["size"])
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer the text was read with (the prepared folder's copy of its files)."""
+        if self._tokenizer is None:
+            from gpipe.data.tokenizer import of_checkpoint
+
+            self._tokenizer = of_checkpoint(self.path)
+            if self._tokenizer is None:
+                raise PreparedError(f"{str(self.path)!r} holds no tokenizer files: prepare the text again")
+        return self._tokenizer
+
+    def document(self, split: str, index: int) -> list[int]:
+        """Document ``index`` of ``split``: ``BOS pieces EOS``, whole."""
+        if self._arrays is None:
+            self._arrays = {}
+        if split not in self._arrays:
+            try:
+                self._arrays[split] = (
+                    np.memmap(self.path / f"{split}.tok", dtype=self.dtype, mode="r"),
+                    np.memmap(self.path / f"{split}.off", dtype=np.int64, mode="r"),
+                )
+            except (OSError, ValueError) as exc:
+                raise PreparedError(f"cannot map the {split} documents of {str(self.path)!r}: {exc}") from None
+        tokens, offsets = self._arrays[split]
+        ids: list[int] = tokens[int(offsets[index]) : int(offsets[index + 1])].tolist()
+        return ids
+
+    def _row(self, split: str, index: int) -> list[int]:
+        ids = self.document(split, index)[: self.length + 1]
+        return ids + [PAD] * (self.length + 1 - len(ids))
+
+    def batch(self, size: int, step: int, *, split: str = "train") -> CausalBatch:
+        if split not in self.sizes:
+            raise ValueError(f"split must be one of {sorted(self.sizes)} (split: {split!r})")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, 0 if split == "train" else 1, step))
+        picked = torch.randint(0, self.sizes[split], (size,), generator=g).tolist()
+        rows = torch.tensor([self._row(split, i) for i in picked])
+        return CausalBatch(rows[:, :-1], rows[:, 1:])
+
+    def baseline(self) -> float:
+        """The unigram entropy (nats) of the training documents' targets (all their tokens but the first)."""
+        counts = np.load(self.path / "unigram.npy")
+        return entropy(Counter({i: int(c) for i, c in enumerate(counts.tolist()) if c}))
+
+    def sample_prompt(self) -> list[int]:
+        """As :meth:`~gpipe.data.text.TextLines.sample_prompt`: the first held-out document's first half."""
+        document = self._row("eval", 0)
+        document = [i for i in document if i != PAD]
+        if self.eos is not None and document and document[-1] == self.eos:
+            document = document[:-1]
+        return document[: max(1, min(SAMPLE_PROMPT, len(document) // 2))]
+
+    def text(self, ids: Sequence[int]) -> str:
+        return decode_text(self.tokenizer, ids)

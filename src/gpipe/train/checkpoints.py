@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
-from gpipe.data.prepared import PreparedCorpus
+from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf
 from gpipe.pipeline import Pipeline
@@ -64,7 +64,7 @@ class Checkpoints:
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
         if self.config is not None:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
-        if isinstance(data, TextLines):
+        if isinstance(data, (TextLines, PreparedText)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)
         return extra

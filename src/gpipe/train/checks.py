@@ -11,7 +11,7 @@ from typing import Any
 
 from gpipe.commands.args import UsageError
 
-__all__ = ["RANGES", "ConfigError", "ConfigTypeError", "flag", "typed"]
+__all__ = ["RANGES", "ROWS", "ConfigError", "ConfigTypeError", "data_flags_error", "flag", "typed"]
 
 
 class ConfigError(UsageError):
@@ -78,3 +78,36 @@ RANGES = {
     "length_penalty": (_nonnegative, "a finite number >= 0"),
 }
 """The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
+
+
+ROWS = 8
+"""``--batch-tokens``' batches hold a multiple of this many sentences: the same batches for 1, 2, 4 and 8
+data-parallel replicas (:mod:`gpipe.train.data`)."""
+
+
+def data_flags_error(cfg: Any) -> str | None:
+    """What is wrong with the data flags of ``cfg`` (a ``TrainConfig``) together, if anything:
+    ``--batch-tokens`` and ``--workers`` (0 or more), ``--batch-tokens`` only on language pairs, its
+    longest bucket's batch holding a row for each micro-batch of each replica, ``--augment`` only on
+    image files."""
+    if cfg.batch_tokens < 0 or cfg.workers < 0:
+        name = "batch_tokens" if cfg.batch_tokens < 0 else "workers"
+        return f"--{flag(name)} must be 0 or more (got {getattr(cfg, name)})"
+    if cfg.batch_tokens and not cfg.parallel_folder:
+        return (
+            f"--batch-tokens {cfg.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for the "
+            f"transformer (model: {cfg.model!r}, data: {cfg.data!r}); give such --data, or use --batch"
+        )
+    rows = max(cfg.batch_tokens // cfg.max_length // ROWS, 1) * ROWS  # (the longest bucket's)
+    if cfg.batch_tokens and (ROWS % cfg.data_parallel or rows < cfg.chunks * cfg.data_parallel):
+        return (
+            f"--batch-tokens {cfg.batch_tokens} makes batches of multiples of {ROWS} sentences, {rows} of the longest "
+            f"(--max-length {cfg.max_length}): --data-parallel {cfg.data_parallel} must divide {ROWS} and --chunks "
+            f"{cfg.chunks} x --data-parallel {cfg.data_parallel} be at most {rows}"
+        )
+    if cfg.augment and not (cfg.model == "amoebanet" and cfg.data):
+        return (
+            f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: {cfg.model!r}, "
+            f"data: {cfg.data!r}); give both, or leave --augment out"
+        )
+    return None

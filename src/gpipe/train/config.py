@@ -19,7 +19,7 @@ from gpipe.checkpoint import CHECKPOINT_MODES
 from gpipe.models import hf
 from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
-from gpipe.train.checks import RANGES, ConfigError, ConfigTypeError, flag, typed
+from gpipe.train.checks import RANGES, ConfigError, ConfigTypeError, data_flags_error, flag, typed
 from gpipe.train.layout import layout_error
 from gpipe.train.precision import PRECISIONS
 
@@ -279,26 +279,8 @@ class TrainConfig:
                 raise ConfigError(f"--{flag(name)} must be {requirement} (got {getattr(self, name)})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
-        if self.batch_tokens < 0 or self.workers < 0:
-            name = "batch_tokens" if self.batch_tokens < 0 else "workers"
-            raise ConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)})")
-        if self.batch_tokens and not self.parallel_folder:
-            raise ConfigError(
-                f"--batch-tokens {self.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for "
-                f"the transformer (model: {self.model!r}, data: {self.data!r}); give such --data, or use --batch"
-            )
-        rows = max(self.batch_tokens // self.max_length // 8, 1) * 8  # (the longest bucket's, see train/data.py)
-        if self.batch_tokens and (8 % self.data_parallel or rows < self.chunks * self.data_parallel):
-            raise ConfigError(
-                f"--batch-tokens {self.batch_tokens} makes batches of multiples of 8 sentences, {rows} of the longest "
-                f"(--max-length {self.max_length}): --data-parallel {self.data_parallel} must divide 8 and --chunks "
-                f"{self.chunks} x --data-parallel {self.data_parallel} be at most {rows}"
-            )
-        if self.augment and not (self.model == "amoebanet" and self.data):
-            raise ConfigError(
-                f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: "
-                f"{self.model!r}, data: {self.data!r}); give both, or leave --augment out"
-            )
+        if (error := data_flags_error(self)) is not None:
+            raise ConfigError(error)
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
         if self.vocab_size < 0:
@@ -382,10 +364,15 @@ class TrainConfig:
         """Whether the data is a folder of parallel files: many language pairs, a shared vocabulary."""
         return self.model == "transformer" and bool(self.data) and Path(self.data).is_dir()
 
+    @property
+    def prepared(self) -> bool:
+        """Whether ``--data`` is a folder ``gpipe prepare`` wrote."""
+        return bool(self.data) and (Path(self.data) / "manifest.json").is_file()
+
     def vocab_path(self) -> Path:
         """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``; of
         ``--data PREPARED``: its own."""
-        if self.data and (Path(self.data) / "manifest.json").is_file():
+        if self.prepared:
             return Path(self.data) / "vocab.model"
         return Path(self.vocab) if self.vocab else Path(self.out) / "vocab.model"
 
@@ -395,7 +382,7 @@ class TrainConfig:
                 f"cannot read the data file {self.data!r}: there is no such file or folder "
                 "(leave --data out for synthetic data)"
             )
-        if self.model == "hf" and self.data and Path(self.data).is_dir():
+        if self.model == "hf" and self.data and Path(self.data).is_dir() and not self.prepared:
             raise ConfigError(
                 f"--model hf reads one file (--data {self.data!r} is a folder); a folder of language pairs trains "
                 "the encoder-decoder transformer: leave --model out"
@@ -405,10 +392,11 @@ class TrainConfig:
                 f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
                 "leave --vocab out"
             )
-        if self.vocab and (Path(self.data) / "manifest.json").is_file():
+        if (self.vocab or self.tokenizer) and self.prepared:
+            name = "vocab" if self.vocab else "tokenizer"
             raise ConfigError(
-                f"--data {self.data!r} is prepared data, with its own vocabulary; leave --vocab out (gpipe prepare "
-                "--vocab chooses it)"
+                f"--data {self.data!r} is prepared data, with its own vocabulary; leave --{name} out (gpipe prepare "
+                f"--{name} chooses it)"
             )
         if self.vocab and not Path(self.vocab).is_file():
             raise ConfigError(

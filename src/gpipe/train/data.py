@@ -15,12 +15,12 @@ import torch.distributed as dist
 from gpipe.data.prepare import prepare
 from gpipe.data.prepared import PreparedError, file_digest, is_prepared, read_manifest, source_fingerprint
 from gpipe.saving import write_atomically
+from gpipe.train.checks import ROWS
 from gpipe.train.config import ConfigError, TrainConfig
 
 __all__ = ["CACHE", "ROWS", "prepared_folder", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
-ROWS = 8  # --batch-tokens' batches hold a multiple of 8 rows: the same batches for 1, 2, 4 and 8 replicas
 
 
 def train_batch(data: Any, cfg: TrainConfig, step: int) -> Any:

@@ -22,7 +22,7 @@ from gpipe.data import (
     TokenDataset,
     tokenizer,
 )
-from gpipe.data.prepared import PreparedCorpus
+from gpipe.data.prepared import PreparedCorpus, PreparedText, is_prepared
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, transformer
@@ -49,6 +49,8 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
 
 def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
+        if cfg.data and is_prepared(cfg.data):  # (gpipe prepare --data TEXT)
+            return PreparedText(cfg.data, length=cfg.max_length, seed=cfg.seed)
         if cfg.data:
             data = text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
             if cfg.tokenizer and not isinstance(data, TextLines):
@@ -182,7 +184,7 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
     built from, and what every checkpoint keeps as ``config.json``."""
     config = cfg.hf_model_config()
     where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
-    text = data if isinstance(data, TextLines) else None
+    text = data if isinstance(data, (TextLines, PreparedText)) else None
     try:
         if config is None:
             ends = {"bos": text.bos, "eos": text.eos} if text is not None else {}
