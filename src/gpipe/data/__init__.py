@@ -16,6 +16,13 @@ shared SentencePiece vocabulary (:mod:`gpipe.data.vocab`), sampled the same way.
 one pair from a tab-separated file (source<TAB>target per line), with a whitespace vocabulary built
 from the file. All three are :class:`TranslationDataset` s: held-out sentences per pair, for BLEU.
 
+Data larger than memory is prepared once (``gpipe prepare``: :mod:`~gpipe.data.prepare`,
+:mod:`~gpipe.data.prepare_text`, the pair files streamed by :mod:`~gpipe.data.files`) into
+memory-mapped arrays that :class:`~gpipe.data.prepared.PreparedCorpus` (the batches of
+``ParallelCorpus``, :mod:`~gpipe.data.batches`: by sentences or by tokens from length buckets) and
+:class:`~gpipe.data.prepared.PreparedText` (those of ``TextLines``) read;
+:class:`~gpipe.data.loader.StepLoader` makes the next batches in a thread or worker processes.
+
 :class:`SyntheticImages` are class-structured images for AmoebaNet: every class has its own smooth
 random pattern; an image is its class's pattern, shifted, scaled in contrast and buried in noise.
 :class:`ImageFiles` reads real images from a ``.npz`` file (arrays ``x`` and ``y``, memory-mapped) or a
@@ -31,7 +38,8 @@ uninterrupted run sees.
 
 An application part: imports the library, :mod:`gpipe.recipe` and its own modules (:mod:`~gpipe.data.base`,
 :mod:`~gpipe.data.synthetic`, :mod:`~gpipe.data.corpus`, :mod:`~gpipe.data.images`,
-:mod:`~gpipe.data.imagefiles`, :mod:`~gpipe.data.vocab`, :mod:`~gpipe.data.text`, :mod:`~gpipe.data.tokenizer`),
+:mod:`~gpipe.data.imagefiles`, :mod:`~gpipe.data.vocab`, :mod:`~gpipe.data.text`, :mod:`~gpipe.data.tokenizer`,
+the preparation and its readers above),
 never :mod:`gpipe.models` (models import data);
 ``import gpipe.data`` does not import ``sentencepiece``, ``transformers`` or ``tokenizers``, which only
 :mod:`gpipe.data.vocab` and :mod:`gpipe.data.tokenizer` import, lazily.
