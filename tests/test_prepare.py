@@ -225,16 +225,8 @@ def test_training_on_prepared_data_is_training_on_the_folder(
     assert losses(tmp_path / "half") == losses(tmp_path / "k2")
     rows = [json.loads(line) for line in (tmp_path / "k2" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["padding"] < 0.5 and 0 < r["tokens"] <= 512 for r in rows)
-    assert all(
-        len(
-            train_batch(
-                PreparedCorpus(corpus["prepared"], length=32), quick(tmp_path, corpus["prepared"], **tokens), s
-            ).source
-        )
-        % 8
-        == 0
-        for s in range(20)
-    )
+    data, cfg = PreparedCorpus(corpus["prepared"], length=32), quick(tmp_path, corpus["prepared"], **tokens)
+    assert all(len(train_batch(data, cfg, 0, step).source) % 8 == 0 for step in range(20))
     with pytest.raises(ValueError, match="--batch-tokens 100 makes batches of multiples of 8 sentences, 8 of"):
         quick(tmp_path / "small", corpus["prepared"], batch_tokens=100, max_length=32, chunks=16).check()
     with pytest.raises(ValueError, match="is prepared data, with its own vocabulary"):
@@ -334,3 +326,60 @@ def test_a_prepared_text_is_the_text_file_for_a_causal_lm(tmp_path: Path, capsys
         main(["prepare", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "q"), "--vocab", tokenizer]) == 2
     )
     assert "--vocab is the shared vocabulary of a folder" in capsys.readouterr().err
+
+
+def test_a_replica_reads_its_share_alone(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """With data parallelism a replica reads only its rows of a batch, padded as the whole batch is,
+    with the whole's size, token count and padding: the shares put together are the whole batch."""
+    from gpipe.data import ImageFiles
+    from gpipe.data.base import ReplicaBatch
+
+    for data in (PreparedCorpus(corpus["prepared"], length=32), ParallelCorpus(corpus["raw"], Vocab(corpus["vocab"]))):
+        for whole, parts in (
+            (data.batch(16, 3), [data.batch(16, 3, share=(r, 4)) for r in range(4)]),
+            (
+                data.token_batch(512, 3, multiple=8),
+                [data.token_batch(512, 3, multiple=8, share=(r, 2)) for r in range(2)],
+            ),
+        ):
+            assert all(isinstance(p, ReplicaBatch) for p in parts)
+            for field in ("source", "target_in", "target_out"):
+                assert torch.equal(torch.cat([getattr(p.batch, field) for p in parts]), getattr(whole, field))
+            assert {(p.share.size, p.share.count, p.count) for p in parts} == {
+                (len(whole.source), whole.count, whole.count)
+            }
+            assert parts[0].padding == pytest.approx(whole.padding)
+    from PIL import Image
+
+    for c in range(2):
+        (tmp_path / "images" / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 100 * c, 7)).save(tmp_path / "images" / f"c{c}" / f"{i}.png")
+    images = ImageFiles(tmp_path / "images", size=8)
+    parts = [images.batch(4, 2, share=(r, 2)) for r in range(2)]
+    assert torch.equal(torch.cat([p.batch.images for p in parts]), images.batch(4, 2).images)
+    assert [p.share.size for p in parts] == [4, 4] and parts[0].share.count is None
+
+
+def test_a_pipeline_step_refuses_a_share_it_cannot_take() -> None:
+    from torch import nn
+
+    from gpipe import Pipeline
+    from gpipe.microbatch import Share
+    from gpipe.recipe import count_tokens
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    pipe = Pipeline(model, [1, 1], devices=["cpu", "cpu"], chunks=2, loss_fn=nn.functional.cross_entropy)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    whole = pipe.step(x, y)
+    assert torch.equal(pipe.step(x, y, share=Share(6)), whole)  # (one replica: its share is the whole)
+    with pytest.raises(ValueError, match=r"replica 0 of 1 takes 8 row\(s\) of a mini-batch of 8 .* given 6"):
+        pipe.step(x, y, share=Share(8))
+
+    def summed(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+
+    counted = Pipeline(model, [1, 1], devices=["cpu", "cpu"], chunks=2, loss_count=count_tokens(-1), loss_fn=summed)
+    with pytest.raises(ValueError, match=r"give Share\(size=\.\.\., count="):
+        counted.step(x, y, share=Share(6))
+    assert torch.equal(counted.step(x, y, share=Share(6, 6)), counted.step(x, y))

@@ -23,6 +23,7 @@ from torch.utils._pytree import TreeSpec
 
 __all__ = [
     "Batch",
+    "Share",
     "as_dicts",
     "batch_size",
     "concat",
@@ -37,6 +38,22 @@ __all__ = [
 # The leaves a plain tuple may hold and still skip pytree's flattening (they are pytree leaves).
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device})
 _FLAT: dict[int, TreeSpec] = {}  # n -> the spec of a tuple of n leaves
+
+
+@dataclass(frozen=True)
+class Share:
+    """What :meth:`gpipe.Pipeline.step` needs to know of a mini-batch when a data-parallel replica is
+    handed only its own share of it (the rows :func:`torch.chunk` gives replica r of D, which a data
+    set can read alone): the mini-batch's ``size`` (rows) and, for a pipeline with ``loss_count``, the
+    items ``count`` of the whole mini-batch's target (every replica's)."""
+
+    size: int
+    count: int | None = None
+
+    def rows(self, replicas: int, replica: int) -> int:
+        """The rows of replica ``replica`` of ``replicas`` (as :func:`torch.chunk` splits ``size``)."""
+        step = -(-self.size // replicas)
+        return max(min(step, self.size - replica * step), 0)
 
 
 def is_flat_spec(spec: TreeSpec) -> bool:

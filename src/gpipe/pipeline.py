@@ -22,7 +22,7 @@ from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop,
 from gpipe.distributed import init_from_env
 from gpipe.distributed.tensor_parallel import TpPlan, check_plan
 from gpipe.engine import build
-from gpipe.microbatch import batch_size, gather, scatter, scatter_pair
+from gpipe.microbatch import Share, batch_size, gather, scatter, scatter_pair
 from gpipe.runtime.context import LossFn, StepContext, loss_scale
 from gpipe.runtime.decoding import DecodeTrace, Feed, Streams, decode
 from gpipe.runtime.partition import Layers, as_balance, check_chunks
@@ -189,10 +189,15 @@ class Pipeline(nn.Module):
         """The validated schedule for a mini-batch of ``microbatches`` micro-batches."""
         return self.engine.planner.schedule_for(microbatches)
 
-    def step(self, inputs: Any, target: Any) -> Tensor:
+    def step(self, inputs: Any, target: Any, *, share: Share | None = None) -> Tensor:
         """Forward and backward of one mini-batch; returns its mean loss (detached). Gradients are
         accumulated into the parameters' ``.grad``. ``inputs`` and ``target`` are pytrees (a tensor,
-        a tuple, a dict, ...) whose tensors have the same size in dim 0."""
+        a tuple, a dict, ...) whose tensors have the same size in dim 0.
+
+        With data parallelism each replica takes its share of the mini-batch it is given; with
+        ``share`` (a :class:`gpipe.microbatch.Share`) ``inputs`` and ``target`` are already this
+        replica's share (the rows ``torch.chunk`` gives it), and ``share`` says the mini-batch's size
+        and ``loss_count`` of its whole target: the same step, without reading the other rows."""
         if not self.trains:
             raise TypeError(
                 "Pipeline.step trains with a loss: this pipeline was built without loss_fn (for inference: "
@@ -204,8 +209,14 @@ class Pipeline(nn.Module):
                 "(target: None); to run the forward pass alone, call pipe(inputs)"
             )
         engine, comm = self.engine, self.engine.comm
-        total = batch_size(scatter(inputs, 1)[0])
-        batches, targets, sizes = scatter_pair(comm.share(inputs), comm.share(target), self.chunks)
+        if share is None:
+            total = batch_size(scatter(inputs, 1)[0])
+            batches, targets, sizes = scatter_pair(comm.share(inputs), comm.share(target), self.chunks)
+            scale = loss_scale(self.loss_count, target, sizes, total)
+        else:
+            count = self._check_share(share, batch_size(scatter(inputs, 1)[0]))
+            batches, targets, sizes = scatter_pair(inputs, target, self.chunks)
+            scale = loss_scale(None if count is None else (lambda _: count), None, sizes, share.size)
         last = engine.executor.stages.get(engine.placement.num_stages - 1)
         seed = comm.seed()
         with torch.enable_grad():
@@ -216,7 +227,7 @@ class Pipeline(nn.Module):
                 training=self.training,
                 seed=seed,
                 targets=[last.receive(t).value for t in targets] if last is not None else None,
-                loss_scale=loss_scale(self.loss_count, target, sizes, total),
+                loss_scale=scale,
             )
             schedule = self.schedule_for(len(batches))
             meter = self.measure_memory or engine.planner.measures_memory(len(batches))
@@ -228,6 +239,23 @@ class Pipeline(nn.Module):
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)
+
+    def _check_share(self, share: Share, rows: int) -> int | None:
+        """``share`` checked against this replica's ``rows``; the whole mini-batch's count (None without
+        ``loss_count``)."""
+        want = share.rows(self.data_parallel, self.dp_rank)
+        if rows != want or want == 0:
+            raise ValueError(
+                f"Pipeline.step(share=Share(size={share.size})): data-parallel replica {self.dp_rank} of "
+                f"{self.data_parallel} takes {want} row(s) of a mini-batch of {share.size} (as torch.chunk splits it), "
+                f"but was given {rows}; give it those rows, or the whole mini-batch without share"
+            )
+        if self.loss_count is not None and share.count is None:
+            raise ValueError(
+                "Pipeline.step(share=...): this pipeline's loss_count counts the whole mini-batch's items; give "
+                "Share(size=..., count=loss_count(the whole target))"
+            )
+        return share.count if self.loss_count is not None else None
 
     def check_decodable(self) -> None:
         """Refuse, in one line, a layout decoding does not support (replicas of the pipeline)."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from gpipe.microbatch import Share
 from gpipe.rng import derive_seed
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Dataset",
     "HeldOut",
     "ImageDataset",
+    "ReplicaBatch",
     "TokenDataset",
     "TranslationBatch",
     "TranslationDataset",
@@ -113,6 +115,33 @@ class TranslationBatch:
         return 1.0 - real / positions if positions else 0.0
 
 
+@dataclass(frozen=True)
+class ReplicaBatch:
+    """One data-parallel replica's share of a mini-batch, read alone: ``batch`` holds its rows (those
+    :func:`torch.chunk` gives it, padded as the whole mini-batch would be), ``share`` what
+    :meth:`gpipe.Pipeline.step` needs of the whole, ``count`` and ``padding`` the whole's items and
+    share of padded positions (for the metrics)."""
+
+    batch: Any
+    share: Share
+    count: int
+    padding: float | None = None
+
+    @property
+    def inputs(self) -> Any:
+        return self.batch.inputs
+
+    @property
+    def target(self) -> Tensor:
+        return self.batch.target  # type: ignore[no-any-return]
+
+
+def shares(rows: Sequence[Any], replicas: int) -> list[Sequence[Any]]:
+    """``rows`` cut into the shares of ``replicas`` replicas, as :func:`torch.chunk` cuts a batch."""
+    step = -(-len(rows) // replicas)
+    return [rows[k * step : (k + 1) * step] for k in range(replicas)]
+
+
 def entropy(counts: Counter[int]) -> float:
     """The entropy (nats) of the distribution ``counts`` of tokens."""
     total = sum(counts.values())
@@ -188,18 +217,23 @@ class TranslationDataset(TokenDataset, Protocol):
         ...
 
 
-def _padded(rows: Sequence[Sequence[int]]) -> Tensor:
-    """Rows of ids as one (n, longest) tensor, padded with PAD."""
-    longest = max(len(r) for r in rows)
+def _padded(rows: Sequence[Sequence[int]], width: int | None = None) -> Tensor:
+    """Rows of ids as one (n, width) tensor (default: the longest row's), padded with PAD."""
+    longest = max(len(r) for r in rows) if width is None else width
     return torch.tensor([[*r, *[PAD] * (longest - len(r))] for r in rows], dtype=torch.long)
 
 
 def _translation_batch(
-    sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], tags: Sequence[int]
+    sources: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[int]],
+    tags: Sequence[int],
+    widths: tuple[int, int] | None = None,
 ) -> TranslationBatch:
-    """A batch of encoded sentence pairs (each side ending with EOS), padded to its longest."""
+    """A batch of encoded sentence pairs (each side ending with EOS), padded to its longest (or to
+    ``widths``, the source's and the target's)."""
+    source, target = widths if widths is not None else (None, None)
     return TranslationBatch(
-        source=_padded(sources),
-        target_in=_padded([[tag, *t[:-1]] for t, tag in zip(targets, tags)]),
-        target_out=_padded(targets),
+        source=_padded(sources, source),
+        target_in=_padded([[tag, *t[:-1]] for t, tag in zip(targets, tags)], target),
+        target_out=_padded(targets, target),
     )

@@ -20,10 +20,19 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from gpipe.data.base import HeldOut, TranslationBatch, _generator, _Translation, _translation_batch
+from gpipe.data.base import (
+    HeldOut,
+    ReplicaBatch,
+    _generator,
+    _Translation,
+    _translation_batch,
+    shares,
+)
+from gpipe.microbatch import Share
 
 __all__ = ["BUCKET_RATIO", "DrawnPairs", "Draws", "bucket_bounds"]
 
@@ -107,28 +116,52 @@ class DrawnPairs(_Translation):
     def sentence(self, pair: int, index: int) -> tuple[Sequence[int], Sequence[int]]:
         raise NotImplementedError
 
+    def lengths(self, pair: int, index: int) -> tuple[int, int]:
+        """The tokens of a training sentence's source and target, each with EOS (without reading them)."""
+        source, target = self.sentence(pair, index)
+        return len(source), len(target)
+
     @property
     def pair_sizes(self) -> dict[str, int]:
         return dict(zip(self.names, self.draws.sizes))
 
-    def _batch(self, rows: Sequence[tuple[int, int]]) -> TranslationBatch:
-        sources, targets = zip(*(self.sentence(p, i) for p, i in rows))
-        return _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in rows])
+    def _batch(self, rows: Sequence[tuple[int, int]], share: tuple[int, int] | None = None) -> Any:
+        """The batch of training sentences ``rows``; with ``share`` = (replica, replicas), only that
+        replica's rows, padded as the whole batch (a :class:`ReplicaBatch`)."""
+        if share is None:
+            sources, targets = zip(*(self.sentence(p, i) for p, i in rows))
+            return _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in rows])
+        replica, replicas = share
+        lengths = [self.lengths(p, i) for p, i in rows]
+        widths = (max(s for s, _ in lengths), max(t for _, t in lengths))
+        mine = shares(rows, replicas)[replica]
+        if not mine:
+            raise ValueError(f"a batch of {len(rows)} sentences cannot be shared by {replicas} replicas")
+        sources, targets = zip(*(self.sentence(p, i) for p, i in mine))
+        batch = _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in mine], widths)
+        count = sum(t for _, t in lengths)
+        real = sum(s for s, _ in lengths) + count
+        padding = 1.0 - real / (len(rows) * (widths[0] + widths[1]))
+        return ReplicaBatch(batch, Share(len(rows), count), count, padding)
 
-    def batch(self, size: int, step: int, *, split: str = "train") -> TranslationBatch:
-        """``size`` sentence pairs, each of a pair drawn with temperature sampling."""
+    def batch(self, size: int, step: int, *, split: str = "train", share: tuple[int, int] | None = None) -> Any:
+        """``size`` sentence pairs, each of a pair drawn with temperature sampling (``share``: a
+        replica's, as :meth:`_batch`; training only)."""
         g = _generator(self.seed, split, step)
         rows = self.draws.sentences(g, size)
         if split == "train":
-            return self._batch([(p, d % self.draws.sizes[p]) for p, d in rows])
+            return self._batch([(p, d % self.draws.sizes[p]) for p, d in rows], share)
+        if share is not None:
+            raise ValueError("a share of a batch is for training batches (split: 'train')")
         held = [self.sets[self.names[p]] for p, _ in rows]  # (the same draws, among the held-out sentences)
         picked = [h.row(d) for h, (_, d) in zip(held, rows)]
         return _translation_batch([s for s, _ in picked], [t for _, t in picked], [self.tags[h.name] for h in held])
 
-    def token_batch(self, tokens: int, step: int, *, multiple: int = 1) -> TranslationBatch:
+    def token_batch(self, tokens: int, step: int, *, multiple: int = 1, share: tuple[int, int] | None = None) -> Any:
         """A training batch of about ``tokens`` tokens a side, padding included, from one length bucket,
-        its rows a ``multiple`` (``gpipe train``: 8, which 1, 2, 4 and 8 replicas share alike)."""
-        return self._batch(self.draws.tokens(_generator(self.seed, "train", step), tokens, multiple))
+        its rows a ``multiple`` (``gpipe train``: 8, which 1, 2, 4 and 8 replicas share alike); with
+        ``share`` = (replica, replicas), that replica's rows alone (a :class:`ReplicaBatch`)."""
+        return self._batch(self.draws.tokens(_generator(self.seed, "train", step), tokens, multiple), share)
 
     def held_out(self) -> dict[str, HeldOut]:
         return dict(self.sets)

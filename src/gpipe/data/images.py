@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
-from gpipe.data.base import _generator
+from gpipe.data.base import ReplicaBatch, _generator, shares
 from gpipe.data.imagefiles import FolderImages, NpzImages
+from gpipe.microbatch import Share
 from gpipe.rng import derive_seed
 
 __all__ = ["ImageBatch", "ImageFiles", "SyntheticImages"]
@@ -169,8 +170,20 @@ class ImageFiles(_Images):
             epochs.append(epoch)
         return images, epochs
 
-    def batch(self, size: int, step: int, *, split: str = "train") -> ImageBatch:
+    def batch(self, size: int, step: int, *, split: str = "train", share: tuple[int, int] | None = None) -> Any:
+        """The images of ``indices(size, step, split)``, decoded (and augmented); with ``share`` =
+        (replica, replicas), only that replica's rows are decoded (a :class:`~gpipe.data.base.ReplicaBatch`)."""
         images, epochs = self.indices(size, step, split=split)
+        if share is not None:
+            replica, replicas = share
+            mine = shares(range(len(images)), replicas)[replica]
+            if not mine:
+                raise ValueError(f"a batch of {len(images)} images cannot be shared by {replicas} replicas")
+            part = self._decode([images[i] for i in mine], [epochs[i] for i in mine], split)
+            return ReplicaBatch(part, Share(len(images)), len(images))
+        return self._decode(images, epochs, split)
+
+    def _decode(self, images: list[int], epochs: list[int], split: str) -> ImageBatch:
         generators = [
             torch.Generator().manual_seed(derive_seed(derive_seed(self.seed, _AUGMENT, epoch), image, 0))
             if self.augment and split == "train"

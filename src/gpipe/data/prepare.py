@@ -419,7 +419,11 @@ def _train_vocab(
         f"(T={temperature:g})")  # fmt: skip
     tags = sorted({tag_piece(p.files.tgt) for p in state.values()})
     try:
-        train_text_vocab(text, path.with_suffix(""), size=most, exact=bool(size), sample=len(text), seed=seed,
-                         tags=tags)  # fmt: skip
+        made = train_text_vocab(text, path.with_suffix(""), size=most, exact=bool(size), sample=len(text), seed=seed,
+                                tags=tags)  # fmt: skip
     except VocabSizeError as exc:
         raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
+    pieces = Vocab(made).size
+    if pieces < most:
+        say(f"note: the text supports only {pieces} pieces (--vocab-size left out: up to {most}); the vocabulary has "
+            f"{pieces}")  # fmt: skip

@@ -174,7 +174,7 @@ def _train_vocab(files: _Files, documents: int, scratch: Path, *, size: int, sam
                  say: Callable[[str], None]) -> None:  # fmt: skip
     """A SentencePiece vocabulary trained on the lines ``gpipe train`` trains one on: all, or a seeded
     sample of ``sample`` of them, in the sample's order."""
-    from gpipe.data.vocab import VocabSizeError, train_text_vocab
+    from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
 
     picks = list(range(documents)) if documents <= sample else random.Random(seed).sample(range(documents), sample)
     wanted = set(picks)
@@ -182,10 +182,14 @@ def _train_vocab(files: _Files, documents: int, scratch: Path, *, size: int, sam
     most = size or DEFAULT_VOCAB_SIZE
     say(f"training a vocabulary of {size if size else f'up to {most}'} pieces on {len(picks)} lines")
     try:
-        train_text_vocab([found[i] for i in picks], scratch / "vocab", size=most, exact=bool(size), sample=len(picks),
-                         seed=seed)  # fmt: skip
+        made = train_text_vocab([found[i] for i in picks], scratch / "vocab", size=most, exact=bool(size),
+                                sample=len(picks), seed=seed)  # fmt: skip
     except VocabSizeError as exc:
         raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
+    pieces = Vocab(made).size
+    if pieces < most:
+        say(f"note: the text supports only {pieces} pieces (--vocab-size left out: up to {most}); the vocabulary has "
+            f"{pieces}")  # fmt: skip
 
 
 def _assemble(prefixes: list[str], documents: int, folder: Path, dtype: str, seed: int, vocab: int) -> dict[str, Any]:

@@ -173,6 +173,11 @@ class PreparedCorpus(DrawnPairs):
             self._arrays[name] = arrays
         return arrays
 
+    def lengths(self, pair: int, index: int) -> tuple[int, int]:
+        _, offsets, sources = self._pair_arrays(self.names[pair])
+        source = int(sources[index])
+        return source + 1, int(offsets[index + 1]) - int(offsets[index]) - source + 1
+
     def sentence(self, pair: int, index: int) -> tuple[list[int], list[int]]:
         tokens, offsets, sources = self._pair_arrays(self.names[pair])
         start, end, split = int(offsets[index]), int(offsets[index + 1]), int(sources[index])

@@ -12,25 +12,38 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpipe.data import ImageFiles
+from gpipe.data.batches import DrawnPairs
 from gpipe.data.prepare import prepare
 from gpipe.data.prepared import PreparedError, file_digest, is_prepared, read_manifest, source_fingerprint
 from gpipe.saving import write_atomically
 from gpipe.train.checks import ROWS
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["CACHE", "ROWS", "prepared_folder", "train_batch"]
+__all__ = ["CACHE", "ROWS", "prepared_folder", "reads_shares", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
 
 
-def train_batch(data: Any, cfg: TrainConfig, step: int) -> Any:
+def train_batch(data: Any, cfg: TrainConfig, replica: int, step: int) -> Any:
     """Step ``step``'s training batch: about ``--batch-tokens`` tokens from one length bucket, else
     ``--batch`` rows. A pure function of (seed, step): the same whatever the layout (``--partitions``,
     ``--data-parallel`` dividing :data:`ROWS`; the config checks that the longest bucket's batch holds a
-    row for each micro-batch of each replica)."""
+    row for each micro-batch of each replica). With ``--data-parallel`` D > 1, data sets that can read a
+    share alone (prepared or in-memory language pairs, image files) read only data-parallel replica
+    ``replica``'s rows (a :class:`~gpipe.data.base.ReplicaBatch`); the others give the whole mini-batch,
+    which the pipeline shares out."""
+    share = (replica, cfg.data_parallel) if cfg.data_parallel > 1 and reads_shares(data) else None
     if cfg.batch_tokens:
-        return data.token_batch(cfg.batch_tokens, step, multiple=ROWS)
+        return data.token_batch(cfg.batch_tokens, step, multiple=ROWS, share=share)
+    if share is not None:
+        return data.batch(cfg.batch, step, share=share)
     return data.batch(cfg.batch, step)
+
+
+def reads_shares(data: Any) -> bool:
+    """Whether ``data`` reads a data-parallel replica's share of a batch alone."""
+    return isinstance(data, (DrawnPairs, ImageFiles))
 
 
 def prepared_folder(cfg: TrainConfig) -> Path:

@@ -19,6 +19,7 @@ import torch
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import Selective
 from gpipe.data import PAD, TranslationBatch, TranslationDataset
+from gpipe.data.base import ReplicaBatch
 from gpipe.data.loader import StepLoader
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
@@ -176,14 +177,16 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
     interrupts = Interrupts()
     # the next batches are made while a step computes (a thread, or --workers processes)
-    loader = StepLoader(functools.partial(train_batch, data, cfg), start, cfg.steps, workers=cfg.workers)
+    make = functools.partial(train_batch, data, cfg, pipe.dp_rank)  # (a replica reads its share alone)
+    loader = StepLoader(make, start, cfg.steps, workers=cfg.workers)
     try:
         for step, batch in loader:
             torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
             began = time.perf_counter()
             optimizer.zero_grad()
             with precision():
-                loss = float(pipe.step(batch.inputs, batch.target))
+                shared = batch.share if isinstance(batch, ReplicaBatch) else None
+                loss = float(pipe.step(batch.inputs, batch.target, share=shared))
             if cfg.clip_norm:
                 clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
             # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
@@ -202,7 +205,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 }
                 if tokens:  # the real tokens of the step, and the share of its positions that is padding
                     last["tokens"] = batch.count
-                    if isinstance(batch, TranslationBatch):
+                    if isinstance(batch, (TranslationBatch, ReplicaBatch)) and batch.padding is not None:
                         last["padding"] = batch.padding
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     with precision():  # (the held-out losses of the model as it trains)
