@@ -23,7 +23,7 @@ from gpipe.data.base import (
     entropy,
 )
 from gpipe.data.batches import DrawnPairs, Draws
-from gpipe.data.files import read_pairs
+from gpipe.data.files import check_eval, read_pairs
 from gpipe.data.vocab import Vocab
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
@@ -62,11 +62,7 @@ class ParallelCorpus(DrawnPairs):
         root = Path(directory)
         pairs = read_pairs(root)
         given = read_pairs(root / "eval") if (root / "eval").is_dir() else {}
-        unknown = sorted(set(given) - set(pairs))
-        if unknown:
-            raise ValueError(
-                f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
-            )
+        check_eval(root, given, pairs)
         self.vocab_model, self.length_cap, self.seed = vocab, length, seed
         self.tags = {name: pair_tag(vocab, name, pair.tgt, root) for name, pair in pairs.items()}
         self.train: dict[str, list[tuple[list[int], list[int]]]] = {}

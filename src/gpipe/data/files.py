@@ -15,11 +15,11 @@ import itertools
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BadLineError", "PairFiles", "Pairs", "Position", "find_pairs", "read_pairs", "records"]
+__all__ = ["BadLineError", "PairFiles", "Pairs", "Position", "check_eval", "find_pairs", "read_pairs", "records"]
 
 _PAIR_FILE = re.compile(r"^(?P<src>[A-Za-z0-9_]+)-(?P<tgt>[A-Za-z0-9_]+)\.(?P<ext>[A-Za-z0-9_]+)$")
 NAMING = "<src>-<tgt>.tsv, or <src>-<tgt>.<src> + <src>-<tgt>.<tgt> (such as en-de.en + en-de.de)"
@@ -119,6 +119,15 @@ def find_pairs(directory: str | os.PathLike[str]) -> dict[str, PairFiles]:
             f"no language pair files in {str(root)!r} (found: {', '.join(seen) or 'nothing'}); name them {NAMING}"
         )
     return pairs
+
+
+def check_eval(root: Path, given: Iterable[str], pairs: Iterable[str]) -> None:
+    """Refuse held-out files (``root/eval``'s pairs ``given``) of pairs that ``root`` does not have."""
+    unknown = sorted(set(given) - set(pairs))
+    if unknown:
+        raise ValueError(
+            f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
+        )
 
 
 def _lines(path: Path, start: int, stop: int | None) -> Iterator[bytes]:

@@ -38,7 +38,7 @@ import numpy as np
 
 from gpipe.data.base import EOS
 from gpipe.data.corpus import held_out_rows, pair_tag
-from gpipe.data.files import Counts, PairFiles, Position, find_pairs, records
+from gpipe.data.files import Counts, PairFiles, Position, check_eval, find_pairs, records
 from gpipe.data.prepared import FORMAT, MANIFEST, VERSION, file_digest, source_fingerprint
 from gpipe.data.vocab import Vocab, VocabSizeError, tag_piece, train_text_vocab
 from gpipe.recipe import temperature_sampling
@@ -239,11 +239,7 @@ def prepare(
         raise ValueError(f"{str(root)!r} is prepared data already: give it to gpipe train --data as it is")
     pairs = find_pairs(root)
     given = find_pairs(root / "eval") if (root / "eval").is_dir() else {}
-    unknown = sorted(set(given) - set(pairs))
-    if unknown:
-        raise ValueError(
-            f"{str(root / 'eval')!r} holds pairs with no training file in {str(root)!r}: {', '.join(unknown)}"
-        )
+    check_eval(root, given, pairs)
     if vocab is not None and not Path(vocab).is_file():
         raise ValueError(f"--vocab {str(vocab)!r}: no such file; give a SentencePiece .model, or leave --vocab out")
 

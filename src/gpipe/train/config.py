@@ -164,9 +164,10 @@ class TrainConfig:
         default="",
         metadata={
             "help": "transformer: a folder of parallel files, one per language pair (xx-yy.tsv, or xx-yy.xx + "
-            "xx-yy.yy; held-out ones in its eval/ folder), or one file of source<TAB>target lines; amoebanet: a "
-            ".npz (x, y) or a folder of class sub-folders of images; hf: source<TAB>target lines, or text, a "
-            "document a line (default: synthetic data)"
+            "xx-yy.yy; held-out ones in its eval/ folder; prepared into OUT/prepared once), a folder gpipe prepare "
+            "wrote, or one file of source<TAB>target lines; amoebanet: a .npz (x, y) or a folder of class "
+            "sub-folders of images; hf: source<TAB>target lines, text (a document a line) or its gpipe prepare "
+            "folder (default: synthetic data)"
         },
     )
     vocab: str = field(

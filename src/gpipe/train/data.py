@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from gpipe.saving import write_atomically
 from gpipe.train.checks import ROWS
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["CACHE", "ROWS", "prepared_folder", "reads_shares", "train_batch"]
+__all__ = ["CACHE", "ROWS", "on_rank_zero", "prepared_folder", "reads_shares", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
 
@@ -54,10 +55,18 @@ def prepared_folder(cfg: TrainConfig) -> Path:
     if is_prepared(cfg.data):
         return Path(cfg.data)
     cache = Path(cfg.out) / CACHE
+    on_rank_zero(lambda: _refresh(cfg, cache), cfg)
+    return cache
+
+
+def on_rank_zero(work: Callable[[], None], cfg: TrainConfig) -> None:
+    """``work()`` on rank 0 alone (all of it in one process) while the other ranks wait; its
+    ``ValueError`` (a ``ConfigError`` as it is, any other naming ``--data``) raised on every rank as a
+    :class:`ConfigError`."""
     error = None
-    if _rank() == 0:
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         try:
-            _refresh(cfg, cache)
+            work()
         except ValueError as exc:  # (ConfigError too)
             error = str(exc) if isinstance(exc, ConfigError) else f"--data {cfg.data!r}: {exc}"
     if dist.is_initialized():
@@ -66,11 +75,6 @@ def prepared_folder(cfg: TrainConfig) -> Path:
         error = shared[0]
     if error is not None:
         raise ConfigError(error)
-    return cache
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _fresh(cfg: TrainConfig, cache: Path, vocab: Path) -> bool:

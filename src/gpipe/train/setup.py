@@ -28,7 +28,7 @@ from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.data import prepared_folder
+from gpipe.train.data import on_rank_zero, prepared_folder
 
 __all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
 
@@ -116,18 +116,7 @@ def _vocab(cfg: TrainConfig) -> Vocab:
     if not path.exists():
         if cfg.resume:
             raise ConfigError(f"--resume: the run's vocabulary {str(path)!r} is missing; restore it, or start afresh")
-        error = None
-        if process_rank() == 0:
-            try:
-                _train_vocab(cfg, path)
-            except ValueError as exc:
-                error = f"--data {cfg.data!r}: {exc}"
-        if dist.is_initialized():
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0)
-            error = shared[0]
-        if error is not None:
-            raise ConfigError(error)
+        on_rank_zero(lambda: _train_vocab(cfg, path), cfg)
     elif not cfg.resume and process_rank() == 0:
         print(f"using the vocabulary {path} of an earlier run (delete it to train a new one)", file=sys.stderr)
     try:
