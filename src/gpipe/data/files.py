@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["BadLineError", "PairFiles", "Pairs", "Position", "check_eval", "find_pairs", "read_pairs", "records"]
 
@@ -31,7 +32,10 @@ class BadLineError(ValueError):
 
     def __init__(self, path: Path, line: int, what: str, reason: str) -> None:
         super().__init__(f"{path}:{line}: {what}")
-        self.path, self.line, self.reason = path, line, reason
+        self.path, self.line, self.what, self.reason = path, line, what, reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (raised in a worker process, it travels pickled)
+        return type(self), (self.path, self.line, self.what, self.reason)
 
 
 @dataclass(frozen=True)
