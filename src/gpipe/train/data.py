@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from gpipe.train.config import ConfigError, TrainConfig
 __all__ = ["CACHE", "ROWS", "on_rank_zero", "prepared_folder", "reads_shares", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
+WAIT_HOURS = 24  # how long the other ranks wait for rank 0 to prepare the data
 
 
 def train_batch(data: Any, cfg: TrainConfig, replica: int, step: int) -> Any:
@@ -60,7 +62,8 @@ def prepared_folder(cfg: TrainConfig) -> Path:
 
 
 def on_rank_zero(work: Callable[[], None], cfg: TrainConfig) -> None:
-    """``work()`` on rank 0 alone (all of it in one process) while the other ranks wait; its
+    """``work()`` on rank 0 alone (all of it in one process) while the other ranks wait (up to
+    :data:`WAIT_HOURS`, not the default group's timeout); its
     ``ValueError`` (a ``ConfigError`` as it is, any other naming ``--data``) raised on every rank as a
     :class:`ConfigError`."""
     error = None
@@ -70,8 +73,12 @@ def on_rank_zero(work: Callable[[], None], cfg: TrainConfig) -> None:
         except ValueError as exc:  # (ConfigError too)
             error = str(exc) if isinstance(exc, ConfigError) else f"--data {cfg.data!r}: {exc}"
     if dist.is_initialized():
+        # (on a group of its own: preparing a large corpus outlasts the default group's 60 s; should rank 0
+        # die, torchrun's agent stops the others)
+        group = dist.new_group(backend="gloo", timeout=timedelta(hours=WAIT_HOURS))
         shared = [error]
-        dist.broadcast_object_list(shared, src=0)
+        dist.broadcast_object_list(shared, src=0, group=group)
+        dist.destroy_process_group(group)
         error = shared[0]
     if error is not None:
         raise ConfigError(error)
