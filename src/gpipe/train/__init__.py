@@ -3,8 +3,10 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
 
     gpipe train                                   # the default: a small T(2, 256, 4) on synthetic data
     gpipe train --data corpus/                    # every language pair of a folder of parallel files (BLEU per pair)
+    gpipe train --data corpus.prepared --batch-tokens 4096  # gpipe prepare's folder, batches of ~4096 tokens
     gpipe train --model amoebanet                 # a small AmoebaNet-D(6, 16) on synthetic 32x32 images
     gpipe train --model amoebanet --data cifar.npz --layers 18 --filters 64
+    gpipe train --model amoebanet --data images/ --augment --workers 2  # a folder per class, decoded per batch
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
     gpipe train --model hf --hf-config llama/config.json --data text.txt
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
