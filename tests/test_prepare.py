@@ -9,6 +9,7 @@ import itertools
 import json
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import gpipe.data.prepare as preparing
 from gpipe.cli import main
 from gpipe.data import ParallelCorpus
 from gpipe.data.batches import bucket_bounds
-from gpipe.data.loader import StepLoader
+from gpipe.data.loader import BatchError, StepLoader
 from gpipe.data.prepare import prepare
 from gpipe.data.prepared import PreparedCorpus, read_manifest
 from gpipe.data.vocab import Vocab, train_vocab
@@ -243,16 +244,29 @@ def test_the_loader_makes_the_batches_ahead_in_order(corpus: dict[str, Path]) ->
 
     def failing(step: int) -> int:
         if step == 5:
-            raise RuntimeError("no batch 5")
+            raise ValueError("cannot read 'x.png'")  # (bad data: one line, naming the step)
+        if step == 7:
+            raise RuntimeError("a bug")  # (anything else keeps its type and traceback)
         return step
 
-    loader = StepLoader(failing, 1, 9)
-    seen = []
-    with pytest.raises(RuntimeError, match="no batch 5"):
-        for step, _ in loader:
-            seen.append(step)
-    loader.close()
-    assert seen == [1, 2, 3, 4]
+    for workers, start, error, message in ((0, 1, BatchError, "the batch of step 5: cannot read"),
+                                           (2, 1, BatchError, "^the batch of step 5: cannot read 'x.png'$"),
+                                           (0, 6, RuntimeError, "a bug")):  # fmt: skip
+        loader = StepLoader(failing, start, 9, workers=workers)
+        seen = []
+        with pytest.raises(error, match=message):
+            for step, _ in loader:
+                seen.append(step)
+        loader.close()
+        assert seen == list(range(start, 5 if start == 1 else 7))
+
+    # a prepared file cut short is refused, not read as shorter sentences
+    copy = corpus["root"] / "cut"
+    shutil.copytree(corpus["prepared"], copy)
+    with open(copy / "en-fr.tok", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=r"the arrays of pair en-fr .* a file was cut short"):
+        PreparedCorpus(copy).batch(64, 0)
 
 
 def test_replicas_on_prepared_token_batches_train_as_one_and_resume_with_another_data_parallel(
@@ -383,3 +397,23 @@ def test_a_pipeline_step_refuses_a_share_it_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"give Share\(size=\.\.\., count="):
         counted.step(x, y, share=Share(6))
     assert torch.equal(counted.step(x, y, share=Share(6, 6)), counted.step(x, y))
+
+
+def test_bad_data_found_mid_run_ends_the_run_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpipe.train.loop as loop
+
+    made = loop.train_batch
+
+    def unreadable(data: Any, cfg: TrainConfig, replica: int, step: int) -> Any:
+        if step == 3:
+            raise ValueError("cannot read the image 'c0/7.png': truncated")
+        return made(data, cfg, replica, step)
+
+    monkeypatch.setattr(loop, "train_batch", unreadable)
+    argv = ["train", "--steps", "4", "--checkpoint-every", "2", "--no-progress", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the batch of step 3: cannot read the image")
+    assert "the checkpoint of step 2 is kept: fix the data, then --resume" in err

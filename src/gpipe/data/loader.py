@@ -9,11 +9,30 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch.utils.data
 
-__all__ = ["StepLoader"]
+__all__ = ["BatchError", "StepLoader"]
+
+
+class BatchError(ValueError):
+    """A batch that could not be made from the data (a file that cannot be read, say): the data set's
+    ``ValueError``, naming the step, raised where the batch is taken (from a worker process too, as one
+    line)."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
+def _made(make: Callable[[int], Any], step: int) -> Any:
+    try:
+        return make(step)
+    except ValueError as exc:  # (bad data; any other exception is a bug and keeps its traceback)
+        return _Failed(f"the batch of step {step}: {exc}")
 
 
 class _Steps(torch.utils.data.Dataset[Any]):
@@ -24,7 +43,13 @@ class _Steps(torch.utils.data.Dataset[Any]):
         return max(self.stop - self.start + 1, 0)
 
     def __getitem__(self, i: int) -> Any:
-        return self.make(self.start + i)
+        return _made(self.make, self.start + i)
+
+
+def _taken(batch: Any) -> Any:
+    if isinstance(batch, _Failed):
+        raise BatchError(batch.message)
+    return batch
 
 
 def _unchanged(batch: Any) -> Any:
@@ -33,7 +58,8 @@ def _unchanged(batch: Any) -> Any:
 
 class StepLoader:
     """The batches ``make(step)`` of steps ``start`` .. ``stop`` (both included), in order, made up to
-    ``ahead`` steps ahead. An exception of ``make`` is raised where its batch is taken. Close it (or
+    ``ahead`` steps ahead. An exception of ``make`` is raised where its batch is taken (a ``ValueError``,
+    bad data, as a :class:`BatchError` naming the step). Close it (or
     use it as a context manager) to stop the thread or the worker processes early."""
 
     def __init__(self, make: Callable[[int], Any], start: int, stop: int, *, workers: int = 0, ahead: int = 2) -> None:
@@ -56,14 +82,14 @@ class StepLoader:
             )
             self._loader = iter(loader)
             for step, batch in zip(range(self.start, self.stop + 1), self._loader):
-                yield step, batch
+                yield step, _taken(batch)
             return
         made: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue(self.ahead)
 
         def produce() -> None:
             for step in range(self.start, self.stop + 1):
                 try:
-                    item: tuple[int, Any, BaseException | None] = (step, self.make(step), None)
+                    item: tuple[int, Any, BaseException | None] = (step, _made(self.make, step), None)
                 except BaseException as exc:  # handed to the consumer
                     item = (step, None, exc)
                 while not self._closed.is_set():
@@ -81,7 +107,7 @@ class StepLoader:
             step, batch, error = made.get()
             if error is not None:
                 raise error
-            yield step, batch
+            yield step, _taken(batch)
 
     def close(self) -> None:
         """Stop making batches (the thread ends; DataLoader's workers are shut down)."""

@@ -170,6 +170,14 @@ class PreparedCorpus(DrawnPairs):
                 )
             except (OSError, ValueError) as exc:
                 raise PreparedError(f"cannot map the arrays of pair {name} in {str(self.path)!r}: {exc}") from None
+            entry = self.manifest["pairs"][name]
+            sizes = (max(entry["tokens"], 1), entry["sentences"] + 1, max(entry["sentences"], 1))
+            if tuple(len(a) for a in arrays) != sizes:
+                raise PreparedError(
+                    f"the arrays of pair {name} in {str(self.path)!r} hold {tuple(len(a) for a in arrays)} values, "
+                    f"its manifest says {sizes} (tokens, offsets, sources): a file was cut short or replaced; prepare "
+                    "the data again (gpipe prepare --overwrite)"
+                )
             self._arrays[name] = arrays
         return arrays
 

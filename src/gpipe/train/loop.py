@@ -20,7 +20,7 @@ from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import Selective
 from gpipe.data import PAD, TranslationBatch, TranslationDataset
 from gpipe.data.base import ReplicaBatch
-from gpipe.data.loader import StepLoader
+from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
@@ -236,6 +236,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     bar.update(1)
             if step % cfg.checkpoint_every == 0:
                 checkpoints.save(step, background=True)
+    except BatchError as exc:  # bad data found mid-run (an image that cannot be read): one line, as a bad flag
+        checkpoints.finish()
+        kept = f"; the checkpoint of step {checkpoints.saved} is kept: fix the data, then --resume"
+        where = f"--data {cfg.data!r}: " if cfg.data else ""
+        raise ConfigError(f"{where}{exc}{kept if checkpoints.saved else ''}") from exc
     except KeyboardInterrupt:
         interrupts.restore()
         if bar is not None:
