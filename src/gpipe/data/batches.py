@@ -9,14 +9,13 @@ and leaving out the pairs longer than ``--max-length`` keeps a prefix.
 
 A sentence batch draws, for each row, a pair with temperature sampling (p_l ∝ (D_l/ΣD)^(1/T)), then
 one of its sentences uniformly. A token batch first draws a bucket, then its rows alike among the
-bucket's sentences; bucket b (keys up to ``ub_b``) holds ``max(N // ub_b, least)`` rows, padded at most
-to ``ub_b`` tokens a side, and is drawn with probability ∝ ``ub_b · Σ_l p_l · D_lb / D_l``, so that every
-sentence is drawn as often per token as a sentence batch draws it (Lingvo's length buckets, fairseq's
-``max_tokens``)."""
+bucket's sentences; bucket b (keys up to ``ub_b``) holds ``N // ub_b`` rows rounded down to a multiple
+(at least one), padded at most to ``ub_b`` tokens a side, and is drawn with probability
+∝ ``ub_b · Σ_l p_l · D_lb / D_l``, so that over many steps every sentence makes about the same share of the
+sentences drawn as with sentence batches (Lingvo's length buckets, fairseq's ``max_tokens``)."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -97,9 +96,6 @@ class Draws:
         chosen = torch.multinomial(self.within[bucket], rows, replacement=True, generator=g).tolist()
         draws = torch.randint(0, 2**31 - 1, (rows,), generator=g).tolist()
         return [(p, self.starts[p][bucket] + d % self.counts[p][bucket]) for p, d in zip(chosen, draws)]
-
-    def bucket_of(self, key: int) -> int:
-        return bisect.bisect_left(self.bounds, key)
 
 
 class DrawnPairs(_Translation):
