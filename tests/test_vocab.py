@@ -129,7 +129,10 @@ def test_tsv_line_without_one_tab(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("files", "error"),
-    [({"en-de.tsv": "\n \n"}, r"en-de\.tsv': no sentence pairs"), ({"en-de.en": "", "en-de.de": "x\n"}, r"en-de\.en' is empty")],
+    [
+        ({"en-de.tsv": "\n \n"}, r"en-de\.tsv': no sentence pairs"),
+        ({"en-de.en": "", "en-de.de": "x\n"}, r"en-de\.en' is empty"),
+    ],
 )
 def test_empty_file(tmp_path: Path, files: dict[str, str], error: str) -> None:
     for name, text in files.items():
