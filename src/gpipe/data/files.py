@@ -20,7 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BadLineError", "PairFiles", "Pairs", "Position", "check_eval", "find_pairs", "read_pairs", "records"]
+__all__ = [
+    "BadLineError",
+    "PairFiles",
+    "Pairs",
+    "Position",
+    "check_eval",
+    "find_pairs",
+    "read_pairs",
+    "record_batches",
+    "records",
+]
 
 _PAIR_FILE = re.compile(r"^(?P<src>[A-Za-z0-9_]+)-(?P<tgt>[A-Za-z0-9_]+)\.(?P<ext>[A-Za-z0-9_]+)$")
 NAMING = "<src>-<tgt>.tsv, or <src>-<tgt>.<src> + <src>-<tgt>.<tgt> (such as en-de.en + en-de.de)"
@@ -228,6 +238,21 @@ def records(
         counts.records += 1
         yield record, source, target
         record += 1
+
+
+def record_batches(
+    pair: PairFiles, start: Position, stop: Position | None, *, skip_bad: bool, size: int
+) -> Iterator[list[tuple[int, str, str]]]:
+    """:func:`records` from ``start`` to ``stop`` in lists of ``size`` (the last may be shorter): what a
+    tokenizer encodes at once."""
+    batch: list[tuple[int, str, str]] = []
+    for row in records(pair, start, stop, skip_bad=skip_bad):
+        batch.append(row)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 @dataclass(frozen=True)

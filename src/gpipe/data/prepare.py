@@ -38,12 +38,12 @@ import numpy as np
 
 from gpipe.data.base import EOS
 from gpipe.data.corpus import held_out_rows, pair_tag
-from gpipe.data.files import Counts, PairFiles, Position, check_eval, find_pairs, records
+from gpipe.data.files import Counts, PairFiles, Position, check_eval, find_pairs, record_batches, records
 from gpipe.data.prepared import FORMAT, MANIFEST, VERSION, file_digest, source_fingerprint
 from gpipe.data.vocab import Vocab, VocabSizeError, tag_piece, train_text_vocab
 from gpipe.recipe import temperature_sampling
 
-__all__ = ["CHUNK", "DEFAULT_VOCAB_SIZE", "prepare", "write_prepared"]
+__all__ = ["CHUNK", "DEFAULT_VOCAB_SIZE", "prepare", "train_vocabulary", "write_prepared"]
 
 CHUNK = 50_000  # sentence pairs of one encoding task
 DEFAULT_VOCAB_SIZE = 8000  # the most pieces of a vocabulary trained with vocab_size 0
@@ -107,10 +107,8 @@ def _encode_chunk(
     keys: Counter[int] = Counter()
     key_tokens: Counter[int] = Counter()
     with open(f"{prefix}.tok", "wb") as tokens:
-        batch: list[tuple[int, str, str]] = []
-
-        def flush() -> None:
-            ids = _encode(vocab_path, [t for _, s, t_ in batch for t in (s, t_)])
+        for batch in record_batches(files, start, stop, skip_bad=skip_bad, size=_BATCH):
+            ids = _encode(vocab_path, [side for _, source, target in batch for side in (source, target)])
             for n, (index, _, target) in enumerate(batch):
                 source_ids, target_ids = ids[2 * n], ids[2 * n + 1]
                 if index in chosen:
@@ -121,14 +119,6 @@ def _encode_chunk(
                 key_tokens[key] += len(source_ids) + len(target_ids)
                 lengths.append((len(source_ids), len(target_ids)))
                 tokens.write(np.asarray([*source_ids, *target_ids], dtype=dtype).tobytes())
-            batch.clear()
-
-        for row in records(files, start, stop, skip_bad=skip_bad):
-            batch.append(row)
-            if len(batch) == _BATCH:
-                flush()
-        if batch:
-            flush()
     np.asarray(lengths, dtype=np.uint32).reshape(-1, 2).tofile(f"{prefix}.len")
     return {"keys": dict(keys), "key_tokens": dict(key_tokens), "held": held_rows}
 
@@ -410,10 +400,18 @@ def _train_vocab(
     names = sorted(wanted)
     found = dict(zip(names, _results(pool.submit(_texts, state[n].files, sorted(wanted[n]), skip_bad) for n in names)))
     text = [side for name, i in picks for side in found[name][i]]
-    most = size or DEFAULT_VOCAB_SIZE
-    say(f"training a vocabulary of {size if size else f'up to {most}'} pieces on {draws} sentence pairs "
-        f"(T={temperature:g})")  # fmt: skip
     tags = sorted({tag_piece(p.files.tgt) for p in state.values()})
+    train_vocabulary(text, path, size=size, seed=seed, tags=tags, what=f"{draws} sentence pairs (T={temperature:g})",
+                     say=say)  # fmt: skip
+
+
+def train_vocabulary(
+    text: list[str], path: Path, *, size: int, seed: int, tags: list[str], what: str, say: Callable[[str], None]
+) -> None:
+    """SentencePiece trained on all of ``text`` into ``path`` (a ``.model``; its ``.vocab`` beside):
+    ``size`` pieces, or with 0 as many as it supports up to :data:`DEFAULT_VOCAB_SIZE` (said when fewer)."""
+    most = size or DEFAULT_VOCAB_SIZE
+    say(f"training a vocabulary of {size if size else f'up to {most}'} pieces on {what}")
     try:
         made = train_text_vocab(text, path.with_suffix(""), size=most, exact=bool(size), sample=len(text), seed=seed,
                                 tags=tags)  # fmt: skip

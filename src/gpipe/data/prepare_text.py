@@ -26,8 +26,8 @@ import torch
 
 from gpipe.data.base import PAD
 from gpipe.data.files import PairFiles as _Files
-from gpipe.data.files import Position, records
-from gpipe.data.prepare import DEFAULT_VOCAB_SIZE, _count, _results, _say, write_prepared
+from gpipe.data.files import Position, record_batches, records
+from gpipe.data.prepare import _count, _results, _say, train_vocabulary, write_prepared
 from gpipe.data.prepared import FORMAT, VERSION, file_digest
 from gpipe.rng import derive_seed
 
@@ -55,10 +55,8 @@ def _encode_chunk(files: _Files, start: Position, stop: Position | None, folder:
     last = [] if tokenizer.eos is None else [tokenizer.eos]
     lengths: list[int] = []
     with open(f"{prefix}.tok", "wb") as out:
-        batch: list[tuple[int, str]] = []
-
-        def flush() -> None:
-            for (index, line), ids in zip(batch, tokenizer.encode_lines([line for _, line in batch])):
+        for batch in record_batches(files, start, stop, skip_bad=skip_bad, size=_BATCH):
+            for (index, line, _), ids in zip(batch, tokenizer.encode_lines([line for _, line, _ in batch])):
                 if PAD in ids:
                     raise ValueError(
                         f"the tokenizer reads document {index + 1} of {str(files.files[0])!r} (its non-blank line "
@@ -69,14 +67,6 @@ def _encode_chunk(files: _Files, start: Position, stop: Position | None, folder:
                 document = [*first, *ids, *last]
                 lengths.append(len(document))
                 out.write(np.asarray(document, dtype=dtype).tobytes())
-            batch.clear()
-
-        for index, line, _ in records(files, start, stop, skip_bad=skip_bad):
-            batch.append((index, line))
-            if len(batch) == _BATCH:
-                flush()
-        if batch:
-            flush()
     np.asarray(lengths, dtype=np.uint32).tofile(f"{prefix}.len")
     return {"documents": len(lengths)}
 
@@ -174,22 +164,11 @@ def _train_vocab(files: _Files, documents: int, scratch: Path, *, size: int, sam
                  say: Callable[[str], None]) -> None:  # fmt: skip
     """A SentencePiece vocabulary trained on the lines ``gpipe train`` trains one on: all, or a seeded
     sample of ``sample`` of them, in the sample's order."""
-    from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
-
     picks = list(range(documents)) if documents <= sample else random.Random(seed).sample(range(documents), sample)
     wanted = set(picks)
     found = {i: line for i, line, _ in records(files, skip_bad=skip_bad) if i in wanted}
-    most = size or DEFAULT_VOCAB_SIZE
-    say(f"training a vocabulary of {size if size else f'up to {most}'} pieces on {len(picks)} lines")
-    try:
-        made = train_text_vocab([found[i] for i in picks], scratch / "vocab", size=most, exact=bool(size),
-                                sample=len(picks), seed=seed)  # fmt: skip
-    except VocabSizeError as exc:
-        raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
-    pieces = Vocab(made).size
-    if pieces < most:
-        say(f"note: the text supports only {pieces} pieces (--vocab-size left out: up to {most}); the vocabulary has "
-            f"{pieces}")  # fmt: skip
+    train_vocabulary([found[i] for i in picks], scratch / "vocab.model", size=size, seed=seed, tags=[],
+                     what=f"{len(picks)} lines", say=say)  # fmt: skip
 
 
 def _assemble(prefixes: list[str], documents: int, folder: Path, dtype: str, seed: int, vocab: int) -> dict[str, Any]:
