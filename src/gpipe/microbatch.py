@@ -50,10 +50,15 @@ class Share:
     size: int
     count: int | None = None
 
-    def rows(self, replicas: int, replica: int) -> int:
-        """The rows of replica ``replica`` of ``replicas`` (as :func:`torch.chunk` splits ``size``)."""
+    def span(self, replicas: int, replica: int) -> slice:
+        """Where the rows of replica ``replica`` of ``replicas`` are in the mini-batch (as
+        :func:`torch.chunk` splits ``size`` rows: an empty span when it makes fewer shares)."""
         step = -(-self.size // replicas)
-        return max(min(step, self.size - replica * step), 0)
+        return slice(min(replica * step, self.size), min((replica + 1) * step, self.size))
+
+    def rows(self, replicas: int, replica: int) -> int:
+        """How many rows replica ``replica`` of ``replicas`` takes (see :meth:`span`)."""
+        return len(range(self.size)[self.span(replicas, replica)])
 
 
 def is_flat_spec(spec: TreeSpec) -> bool:

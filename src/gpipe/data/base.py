@@ -136,10 +136,14 @@ class ReplicaBatch:
         return self.batch.target  # type: ignore[no-any-return]
 
 
-def shares(rows: Sequence[Any], replicas: int) -> list[Sequence[Any]]:
-    """``rows`` cut into the shares of ``replicas`` replicas, as :func:`torch.chunk` cuts a batch."""
-    step = -(-len(rows) // replicas)
-    return [rows[k * step : (k + 1) * step] for k in range(replicas)]
+def share_of(rows: Sequence[Any], share: tuple[int, int]) -> Sequence[Any]:
+    """Replica r's rows of a batch ``rows``, ``share`` = (r, replicas), as :func:`torch.chunk` cuts it
+    (:meth:`gpipe.microbatch.Share.span`); a ``ValueError`` if it gets none."""
+    replica, replicas = share
+    mine = rows[Share(len(rows)).span(replicas, replica)]
+    if not mine:
+        raise ValueError(f"a batch of {len(rows)} rows cannot be shared by {replicas} replicas")
+    return mine
 
 
 def entropy(counts: Counter[int]) -> float:

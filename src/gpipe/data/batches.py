@@ -29,7 +29,7 @@ from gpipe.data.base import (
     _generator,
     _Translation,
     _translation_batch,
-    shares,
+    share_of,
 )
 from gpipe.microbatch import Share
 
@@ -127,12 +127,9 @@ class DrawnPairs(_Translation):
         if share is None:
             sources, targets = zip(*(self.sentence(p, i) for p, i in rows))
             return _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in rows])
-        replica, replicas = share
         lengths = [self.lengths(p, i) for p, i in rows]
         widths = (max(s for s, _ in lengths), max(t for _, t in lengths))
-        mine = shares(rows, replicas)[replica]
-        if not mine:
-            raise ValueError(f"a batch of {len(rows)} sentences cannot be shared by {replicas} replicas")
+        mine = share_of(rows, share)
         sources, targets = zip(*(self.sentence(p, i) for p, i in mine))
         batch = _translation_batch(sources, targets, [self.tags[self.names[p]] for p, _ in mine], widths)
         count = sum(t for _, t in lengths)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
-from gpipe.data.base import ReplicaBatch, _generator, shares
+from gpipe.data.base import ReplicaBatch, _generator, share_of
 from gpipe.data.imagefiles import FolderImages, NpzImages
 from gpipe.microbatch import Share
 from gpipe.rng import derive_seed
@@ -175,10 +175,7 @@ class ImageFiles(_Images):
         (replica, replicas), only that replica's rows are decoded (a :class:`~gpipe.data.base.ReplicaBatch`)."""
         images, epochs = self.indices(size, step, split=split)
         if share is not None:
-            replica, replicas = share
-            mine = shares(range(len(images)), replicas)[replica]
-            if not mine:
-                raise ValueError(f"a batch of {len(images)} images cannot be shared by {replicas} replicas")
+            mine = share_of(range(len(images)), share)
             part = self._decode([images[i] for i in mine], [epochs[i] for i in mine], split)
             return ReplicaBatch(part, Share(len(images)), len(images))
         return self._decode(images, epochs, split)
