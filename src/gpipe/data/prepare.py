@@ -406,15 +406,24 @@ def _train_vocab(
 
 
 def train_vocabulary(
-    text: list[str], path: Path, *, size: int, seed: int, tags: list[str], what: str, say: Callable[[str], None]
+    text: list[str],
+    path: Path,
+    *,
+    size: int,
+    seed: int,
+    tags: list[str],
+    what: str,
+    say: Callable[[str], None] = _say,
+    sample: int | None = None,
 ) -> None:
-    """SentencePiece trained on all of ``text`` into ``path`` (a ``.model``; its ``.vocab`` beside):
-    ``size`` pieces, or with 0 as many as it supports up to :data:`DEFAULT_VOCAB_SIZE` (said when fewer)."""
+    """SentencePiece trained on ``text`` (all of it, or a seeded ``sample`` of its lines) into ``path`` (a
+    ``.model``; its ``.vocab`` beside): ``size`` pieces, or with 0 as many as it supports up to
+    :data:`DEFAULT_VOCAB_SIZE` (said when fewer)."""
     most = size or DEFAULT_VOCAB_SIZE
     say(f"training a vocabulary of {size if size else f'up to {most}'} pieces on {what}")
     try:
-        made = train_text_vocab(text, path.with_suffix(""), size=most, exact=bool(size), sample=len(text), seed=seed,
-                                tags=tags)  # fmt: skip
+        made = train_text_vocab(text, path.with_suffix(""), size=most, exact=bool(size), sample=sample or len(text),
+                                seed=seed, tags=tags)  # fmt: skip
     except VocabSizeError as exc:
         raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
     pieces = Vocab(made).size

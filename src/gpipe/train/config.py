@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.data.prepared import is_prepared
 from gpipe.models import hf
 from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
@@ -368,7 +369,7 @@ class TrainConfig:
     @property
     def prepared(self) -> bool:
         """Whether ``--data`` is a folder ``gpipe prepare`` wrote."""
-        return bool(self.data) and (Path(self.data) / "manifest.json").is_file()
+        return bool(self.data) and is_prepared(self.data)
 
     def vocab_path(self) -> Path:
         """The SentencePiece model of ``--data FOLDER``: ``--vocab``, else ``OUT/vocab.model``; of

@@ -22,17 +22,16 @@ from gpipe.data import (
     TokenDataset,
     tokenizer,
 )
-from gpipe.data.prepared import PreparedCorpus, PreparedText, is_prepared
+from gpipe.data.prepare import train_vocabulary
+from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
-from gpipe.data.vocab import Vocab, VocabSizeError, train_text_vocab
+from gpipe.data.vocab import Vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import on_rank_zero, prepared_folder
 
 __all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
-
-_VOCAB_SIZE = 8000  # the most pieces of --data FOLDER's vocabulary with --vocab-size 0 (its default)
 
 
 def process_rank() -> int:
@@ -49,7 +48,7 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
 
 def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
-        if cfg.data and is_prepared(cfg.data):  # (gpipe prepare --data TEXT)
+        if cfg.prepared:  # (gpipe prepare --data TEXT)
             return PreparedText(cfg.data, length=cfg.max_length, seed=cfg.seed)
         if cfg.data:
             data = text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
@@ -126,22 +125,13 @@ def _vocab(cfg: TrainConfig) -> Vocab:
 
 
 def _train_vocab(cfg: TrainConfig, path: Path) -> None:
-    """Train ``path`` (and its ``.vocab``) on the text's lines: ``--vocab-size`` pieces, or with 0 as many as
-    the text supports up to 8000 (said in one line when fewer). Both files are written whole or not at all."""
+    """Train ``path`` (and its ``.vocab``) on the text's lines (a seeded 10^6 of them where there are more):
+    ``--vocab-size`` pieces, or with 0 as many as the text supports up to 8000 (said in one line when
+    fewer). Both files are written whole or not at all."""
     lines = read_lines(cfg.data)
     draws = min(1_000_000, len(lines))
-    size = cfg.vocab_size or _VOCAB_SIZE
-    pieces = f"{size}" if cfg.vocab_size else f"up to {size}"
-    print(f"training a vocabulary of {pieces} pieces on {draws} lines of {cfg.data} into {path}", file=sys.stderr)
-    try:
-        model = train_text_vocab(lines, path.with_suffix(""), size=size, exact=bool(cfg.vocab_size), sample=draws,
-                                 seed=cfg.seed)  # fmt: skip
-    except VocabSizeError as exc:
-        raise ValueError(f"{exc}; or leave --vocab-size out for as many as the text supports") from None
-    made = Vocab(model).size
-    if made < size:
-        print(f"note: the text supports only {made} pieces (--vocab-size left out: up to {size}); the vocabulary "
-              f"has {made}", file=sys.stderr)  # fmt: skip
+    train_vocabulary(lines, path, size=cfg.vocab_size, seed=cfg.seed, tags=[], sample=draws,
+                     what=f"{draws} lines of {cfg.data} into {path}")  # fmt: skip
 
 
 def _tokens(data: Dataset) -> TokenDataset:
