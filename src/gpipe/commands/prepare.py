@@ -19,7 +19,6 @@ hash."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(exc)
     except OSError as exc:  # no permission, a full disk: the old --out is intact
         return refuse(f"cannot write --out {args.out!r}: {exc.strerror or exc}; it is left as it was")
-    manifest = json.loads((out / "manifest.json").read_text())
+    from gpipe.data.prepared import read_manifest
+
+    manifest = read_manifest(out)
     seconds = max(manifest["seconds"], 1e-9)
     if text:
         print(f"wrote {out}: {manifest['documents']} documents ({manifest['train']} training, {manifest['eval']} "
