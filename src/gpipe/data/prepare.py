@@ -25,7 +25,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import random
 import shutil
 import sys
 import time
@@ -40,8 +39,7 @@ from gpipe.data.base import EOS
 from gpipe.data.corpus import held_out_rows, pair_tag
 from gpipe.data.files import Counts, PairFiles, Position, check_eval, find_pairs, record_batches, records
 from gpipe.data.prepared import FORMAT, MANIFEST, VERSION, file_digest, source_fingerprint
-from gpipe.data.vocab import Vocab, VocabSizeError, tag_piece, train_text_vocab
-from gpipe.recipe import temperature_sampling
+from gpipe.data.vocab import Vocab, VocabSizeError, sample_draws, tag_piece, train_text_vocab
 
 __all__ = ["CHUNK", "DEFAULT_VOCAB_SIZE", "prepare", "train_vocabulary", "write_prepared"]
 
@@ -385,15 +383,12 @@ def _train_vocab(
     pool: concurrent.futures.Executor, state: dict[str, _Pair], path: Path, *, size: int, temperature: float,
     sample: int, seed: int, skip_bad: bool, say: Callable[[str], None],
 ) -> None:  # fmt: skip
-    """The shared vocabulary, trained on :func:`~gpipe.data.vocab.sample_text`'s draws (the same ones:
-    pair by temperature, then a record uniformly, both sides), read from the files by index."""
+    """The shared vocabulary, trained on :func:`~gpipe.data.vocab.sample_text`'s draws
+    (:func:`~gpipe.data.vocab.sample_draws`: pair by temperature, then a record uniformly, both sides), read
+    from the files by index."""
     sizes = {name: p.counts.records for name, p in state.items()}
     draws = min(sample, sum(sizes.values()))
-    names = sorted(sizes)
-    probabilities = dict(zip(names, temperature_sampling([sizes[n] for n in names], temperature)))
-    rng = random.Random(seed)
-    chosen = rng.choices(list(probabilities), weights=list(probabilities.values()), k=draws)
-    picks = [(name, rng.randrange(sizes[name])) for name in chosen]
+    picks = sample_draws(sizes, temperature, draws, seed)
     wanted: dict[str, set[int]] = {}
     for name, i in picks:
         wanted.setdefault(name, set()).add(i)

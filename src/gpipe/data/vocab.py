@@ -12,6 +12,8 @@ A data directory holds one parallel file per language pair; the file name gives 
 - ``<src>-<tgt>.<src>`` + ``<src>-<tgt>.<tgt>``: two files aligned line by line (``en-de.en`` +
   ``en-de.de``); they must have as many lines, and lines blank on both sides are skipped.
 
+Both sides of every other line must hold text (:mod:`gpipe.data.files` reads them).
+
 Language codes are letters, digits and ``_`` (``en``, ``zh_Hant``); other files are ignored. The
 target language ``xx`` of a pair gets the tag ``<2xx>``, one piece of the vocabulary.
 
@@ -21,8 +23,9 @@ Fixed ids (as :mod:`gpipe.data`): pad 0 (``<pad>``), bos 1 (``<s>``), eos 2 (``<
 :func:`train_vocab` is a pure function of (data, size, temperature, sample, seed, threads): it seeds
 SentencePiece's generator and gives it the sampled text in a fixed order. It writes its files whole or
 not at all, and refuses at once a size the text cannot hold (:func:`most_pieces`). Pair files are read
-whole into memory (sample very large corpora down first). It needs the ``sentencepiece`` package (in
-the ``dev`` extra), imported only here.
+whole into memory: ``gpipe prepare`` trains the same vocabulary from the same draws (:func:`sample_draws`)
+read from the files by index. It needs the ``sentencepiece`` package (in the ``dev`` extra), imported
+only here.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "most_pieces",
     "pair_probabilities",
     "read_pairs",
+    "sample_draws",
     "sample_text",
     "tag_piece",
     "train_text_vocab",
@@ -86,16 +90,21 @@ def sample_text(
     """``sentences`` draws of a sentence pair: each draw picks a language pair with
     :func:`pair_probabilities` and then one of its sentence pairs uniformly (with replacement), and
     contributes both sides, source then target — ``2 * sentences`` lines. Deterministic for a seed."""
+    draws = sample_draws({name: len(pair) for name, pair in pairs.items()}, temperature, sentences, seed)
+    return [side for name, i in draws for side in (pairs[name].sources[i], pairs[name].targets[i])]
+
+
+def sample_draws(sizes: Mapping[str, int], temperature: float, sentences: int, seed: int) -> list[tuple[str, int]]:
+    """:func:`sample_text`'s draws from pairs of ``sizes`` sentence pairs (by name), as (pair, index): what
+    ``gpipe prepare`` reads from the files to train the same vocabulary without holding them."""
     if sentences <= 0:
         raise ValueError(f"sentences must be positive (sentences: {sentences})")
-    probabilities = pair_probabilities(pairs, temperature)
-    chosen = [pairs[name] for name in probabilities]
+    names = sorted(sizes)
+    if not names:
+        raise ValueError("no language pairs")
+    weights = temperature_sampling([sizes[n] for n in names], temperature)
     rng = random.Random(seed)
-    text: list[str] = []
-    for pair in rng.choices(chosen, weights=list(probabilities.values()), k=sentences):
-        i = rng.randrange(len(pair))
-        text += (pair.sources[i], pair.targets[i])
-    return text
+    return [(name, rng.randrange(sizes[name])) for name in rng.choices(names, weights=weights, k=sentences)]
 
 
 def _sentencepiece() -> Any:
