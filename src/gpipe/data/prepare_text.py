@@ -26,8 +26,8 @@ import torch
 
 from gpipe.data.base import PAD
 from gpipe.data.files import PairFiles as _Files
-from gpipe.data.files import Position, record_batches, records
-from gpipe.data.prepare import _count, _results, _say, train_vocabulary, write_prepared
+from gpipe.data.files import Position, record_batches
+from gpipe.data.prepare import _count, _results, _say, _texts, train_vocabulary, write_prepared
 from gpipe.data.prepared import FORMAT, VERSION, file_digest
 from gpipe.rng import derive_seed
 
@@ -165,9 +165,8 @@ def _train_vocab(files: _Files, documents: int, scratch: Path, *, size: int, sam
     """A SentencePiece vocabulary trained on the lines ``gpipe train`` trains one on: all, or a seeded
     sample of ``sample`` of them, in the sample's order."""
     picks = list(range(documents)) if documents <= sample else random.Random(seed).sample(range(documents), sample)
-    wanted = set(picks)
-    found = {i: line for i, line, _ in records(files, skip_bad=skip_bad) if i in wanted}
-    train_vocabulary([found[i] for i in picks], scratch / "vocab.model", size=size, seed=seed, tags=[],
+    found = _texts(files, sorted(set(picks)), skip_bad)  # (one pass, up to the last line picked)
+    train_vocabulary([found[i][0] for i in picks], scratch / "vocab.model", size=size, seed=seed, tags=[],
                      what=f"{len(picks)} lines", say=say)  # fmt: skip
 
 
