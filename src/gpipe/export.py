@@ -130,9 +130,13 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, o
     config = _config(folder)
     from gpipe.data import tokenizer as tokenizers
     from gpipe.data.tokenizer import _transformers
+    from gpipe.models.hf import export_dtype
 
+    dtype = export_dtype(config)  # (float32, or the dtype the weights of a run started with --init came in)
     model = _transformers().AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     step = load_module(model, folder)
+    if dtype is not None and dtype != torch.float32:
+        model.to(dtype)
     tokenizer, source = tokenizers.exported(folder)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.export-{os.getpid()}"

@@ -30,6 +30,7 @@ __all__ = [
     "check_config",
     "config_json",
     "default_config",
+    "export_dtype",
     "layer_count",
     "load_config",
     "logits_loss",
@@ -129,12 +130,23 @@ def check_config(config: Any, where: str, vocab: int, positions: int, *, eos: in
         )
 
 
-def config_json(config: Any) -> str:
-    """``config`` as the ``config.json`` a checkpoint keeps: what ``save_pretrained`` writes, its
-    ``dtype`` float32, the dtype the weights are trained and saved in whatever the config says."""
+def config_json(config: Any, *, keep_dtype: bool = False) -> str:
+    """``config`` as the ``config.json`` a checkpoint keeps: what ``save_pretrained`` writes. Its
+    ``dtype`` is what ``gpipe export`` writes the weights in: float32, the dtype they are trained
+    and saved in, or with ``keep_dtype`` the config's own (a run started from pretrained weights
+    exports them in the dtype they came in)."""
     written = copy.deepcopy(config)
-    written.dtype = torch.float32
+    if not keep_dtype or not isinstance(export_dtype(config), torch.dtype):
+        written.dtype = torch.float32
     return str(written.to_json_string())
+
+
+def export_dtype(config: Any) -> torch.dtype | None:
+    """The floating-point dtype a config's ``dtype`` names (``torch.bfloat16`` or ``"bfloat16"``), or None."""
+    value = getattr(config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
 def build(config: Any) -> nn.Module:

@@ -9,6 +9,8 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --model amoebanet --data images/ --augment --workers 2  # a folder per class, decoded per batch
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
     gpipe train --model hf --hf-config llama/config.json --data text.txt
+    gpipe train --model hf --init llama-hf/ --data text.txt  # fine-tune a save_pretrained folder
+    gpipe train --init runs/base --data new-pairs/ --out runs/tuned  # a warm start: weights only, steps from 1
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
     gpipe train --precision bf16                  # activations in bfloat16 (autocast); weights, optimizer, loss fp32
     gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
@@ -44,6 +46,7 @@ from typing import Any
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig, read_config_file
+from gpipe.train.initial import started_settings
 from gpipe.train.loop import one_run, train
 from gpipe.train.resume import resumed_settings
 from gpipe.train.setup import translation_model
@@ -53,7 +56,7 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 
 # The flags of -h in groups (every TrainConfig field in one; tests/test_train.py holds it).
 _GROUPS = {
-    "model": ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
+    "model": ("model", "hf_config", "init", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
               "dropout", "logit_clip"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
@@ -63,8 +66,8 @@ _GROUPS = {
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
 }  # fmt: skip
-_METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "data": "PATH", "vocab": "PATH",
-             "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE",
+_METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "data": "PATH",
+             "vocab": "PATH", "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE",
              "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
@@ -98,7 +101,8 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
     args = vars(parser.parse_args(argv))
     path = args.pop("config", None)
     settings = read_config_file(path) if path else {}
-    cfg = TrainConfig(**resumed_settings({**settings, **args}))  # --resume: the run's own settings beneath
+    given = started_settings({**settings, **args}, {f.name: f.default for f in fields(TrainConfig)})
+    cfg = TrainConfig(**resumed_settings(given))  # --resume: the run's own settings beneath; --init RUN: its model
     cfg.check()
     return cfg
 

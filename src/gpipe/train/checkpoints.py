@@ -46,7 +46,7 @@ class Checkpoints:
         self.saved = 0  # the step of the newest save started
         self.config: str | None = None  # --model hf: the config the model was built from
         if cfg.model == "hf" and isinstance(data, TokenDataset):
-            self.config = hf.config_json(hf_config(cfg, data))
+            self.config = hf.config_json(hf_config(cfg, data), keep_dtype=bool(cfg.init))
 
     def _extra(self) -> dict[str, Any]:
         if process_rank() != 0:

@@ -21,6 +21,7 @@ from gpipe.models import hf
 from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
 from gpipe.train.checks import RANGES, ConfigError, ConfigTypeError, data_flags_error, flag, typed
+from gpipe.train.initial import hf_config_path, model_flags_error
 from gpipe.train.layout import layout_error
 from gpipe.train.precision import PRECISIONS
 
@@ -53,10 +54,6 @@ DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
 
 
-# The built-in models' size flags: --model hf takes its size from its config instead.
-_SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything ``gpipe train`` needs; each field is also a command-line flag."""
@@ -71,6 +68,14 @@ class TrainConfig:
             "help": "hf: a transformers config.json (or its folder) of a causal LM, read locally, weights random; "
             f"'': a GPT-2 of {hf.DEFAULT['n_layer']} layers, n_embd {hf.DEFAULT['n_embd']}, "
             f"{hf.DEFAULT['n_head']} heads, the data's vocabulary and length"
+        },
+    )
+    init: str = field(
+        default="",
+        metadata={
+            "help": "the weights to start from: a folder save_pretrained wrote (--model hf: its config, weights and "
+            "tokenizer, each stage reading its own tensors), or a run or checkpoint of gpipe train (a warm start of "
+            "its model: weights only, a new optimizer, steps from 1)"
         },
     )
     tokenizer: str = field(
@@ -297,7 +302,8 @@ class TrainConfig:
             raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
         if self.model == "amoebanet" and self.image_size < 4:
             raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
-        self._check_hf()
+        if (error := model_flags_error(self)) is not None:
+            raise ConfigError(error)
         layers, formula = self.model_layers()
         if self.partitions * self.virtual > layers:
             v = f" x {self.virtual} stages each ({self.schedule})" if self.virtual > 1 else ""
@@ -312,52 +318,14 @@ class TrainConfig:
             raise ConfigError(error)
         self._check_paths()
 
-    def _check_hf(self) -> None:
-        """``--hf-config`` only with ``--model hf``; with it, no size flag of the built-in models (they
-        would be silently ignored: the config says the size), nor ``--dropout`` with a config.
-        ``--tokenizer`` only with ``--model hf`` on a text file, a file that is there, and not with
-        ``--vocab-size`` (which sizes the vocabulary trained without it)."""
-        if self.hf_config and self.model != "hf":
-            raise ConfigError(
-                f"--hf-config is for --model hf (model: {self.model!r}); add --model hf or leave --hf-config out"
-            )
-        if self.tokenizer and (self.model != "hf" or not self.data):
-            raise ConfigError(
-                f"--tokenizer is for --model hf on --data TEXT, a text file (model: {self.model!r}, data: "
-                f"{self.data!r}); give both, or leave --tokenizer out"
-            )
-        if self.tokenizer and not Path(self.tokenizer).exists():
-            raise ConfigError(
-                f"--tokenizer {self.tokenizer!r}: no such file or folder; give a tokenizer.json (or its folder) or a "
-                "SentencePiece .model, or leave --tokenizer out to train a vocabulary on the text"
-            )
-        if self.tokenizer and self.vocab_size:
-            raise ConfigError(
-                f"--vocab-size {self.vocab_size} sizes the vocabulary trained on the text, and --tokenizer "
-                f"{self.tokenizer!r} brings its own; leave one of them out"
-            )
-        if self.model != "hf":
-            return
-        defaults = {f.name: f.default for f in fields(self)}
-        for name in _SIZE_FLAGS:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(
-                    f"--{flag(name)} {getattr(self, name)} sizes the built-in models, not --model hf, whose size "
-                    "comes from --hf-config (a config.json: n_layer, n_embd, ...) or is the built-in GPT-2's; "
-                    f"leave --{flag(name)} out"
-                )
-        if self.hf_config and self.dropout:
-            raise ConfigError(
-                f"--dropout {self.dropout} applies to the built-in GPT-2 only: with --hf-config the config's own "
-                "dropout settings apply (resid_pdrop, attention_dropout, ... in the config.json); leave --dropout out"
-            )
-
     def hf_model_config(self) -> Any:
-        """``--hf-config``'s transformers config (read afresh), or None for the built-in GPT-2."""
-        if not self.hf_config:
+        """``--hf-config``'s transformers config (read afresh; or the ``--init`` folder's, or the one
+        its checkpoint keeps), or None for the built-in GPT-2."""
+        path = hf_config_path(self)
+        if not path:
             return None
         try:
-            return hf.load_config(self.hf_config)
+            return hf.load_config(path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -434,7 +402,9 @@ class TrainConfig:
         if self.model == "hf":
             config = self.hf_model_config()
             blocks = config.num_hidden_layers if config is not None else hf.DEFAULT["n_layer"]
-            where = f"--hf-config {self.hf_config!r}" if config is not None else "the built-in GPT-2"
+            where = "the built-in GPT-2"
+            if config is not None:
+                where = f"--hf-config {self.hf_config!r}" if self.hf_config else f"--init {self.init!r}'s config"
             return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
 

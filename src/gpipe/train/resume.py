@@ -40,6 +40,7 @@ RUN = "run.json"
 FIXED = {
     "model": "the model",
     "hf_config": "the model",
+    "init": "the model",
     "layers": "the model's size",
     "hidden": "the model's size",
     "heads": "the model's size",

@@ -26,10 +26,11 @@ from gpipe.data.prepare import train_vocabulary
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
-from gpipe.models import amoebanet, amoebanet_d, hf, transformer
+from gpipe.models import amoebanet, amoebanet_d, hf, pretrained, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import on_rank_zero, prepared_folder
+from gpipe.train.initial import PRETRAINED, init_source, init_tokenizer
 
 __all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
 
@@ -147,12 +148,14 @@ def _images(data: Dataset) -> ImageDataset:
 
 
 def _hf_tokenizer(cfg: TrainConfig) -> Tokenizer:
-    """What ``--model hf`` reads a text file with: ``--tokenizer``, else the SentencePiece vocabulary
-    ``OUT/vocab.model``, trained on the file's lines on the first run as ``--data FOLDER``'s is."""
-    if not cfg.tokenizer:
+    """What ``--model hf`` reads a text file with: ``--tokenizer``, else the ``--init`` folder's or
+    checkpoint's, else the SentencePiece vocabulary ``OUT/vocab.model``, trained on the file's lines
+    on the first run as ``--data FOLDER``'s is."""
+    path = init_tokenizer(cfg)  # (--tokenizer, or the one --init brings)
+    if not path:
         return _vocab(cfg)
     try:
-        return tokenizer.load(cfg.tokenizer)
+        return tokenizer.load(path)
     except ValueError as exc:  # (its messages name the file)
         raise ConfigError(str(exc)) from exc
 
@@ -162,7 +165,7 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
     or the built-in GPT-2 sized to it (a text's tokenizer's BOS and EOS its own). What the model is
     built from, and what every checkpoint keeps as ``config.json``."""
     config = cfg.hf_model_config()
-    where = f"--hf-config {cfg.hf_config!r}" if config is not None else "the built-in GPT-2"
+    where = _where(cfg)
     text = data if isinstance(data, (TextLines, PreparedText)) else None
     try:
         if config is None:
@@ -184,9 +187,25 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     pipeline can also generate (the evaluation's sample, ``gpipe generate``); else
     ``to_sequential``'s, and the run has no sample."""
     config = hf_config(cfg, data)
-    where = f"--hf-config {cfg.hf_config!r}" if cfg.hf_config else "the built-in GPT-2"
+    where = _where(cfg)
     try:
         model = hf.build(config)
     except ValueError as exc:  # a setting from_config refuses, or a model that is not causal
         raise ConfigError(f"{where}: {exc}") from exc
-    return hf.pipeline_layers(model, data.batch(2, 0, split="eval").inputs)
+    source = None
+    if cfg.init and not cfg.resume and init_source(cfg.init)[0] == PRETRAINED:  # (every rank checks the folder)
+        try:
+            source = pretrained.plan(model, cfg.init)
+        except ValueError as exc:  # (its messages name the file or the tensor)
+            raise ConfigError(str(exc)) from exc
+    layers = hf.pipeline_layers(model, data.batch(2, 0, split="eval").inputs)
+    if source is not None:  # each stage reads its own layers' tensors as the pipeline materializes them
+        pretrained.attach(layers, source)
+    return layers
+
+
+def _where(cfg: TrainConfig) -> str:
+    """Where ``--model hf``'s config comes from, for messages."""
+    if cfg.hf_config:
+        return f"--hf-config {cfg.hf_config!r}"
+    return f"--init {cfg.init!r}'s config.json" if cfg.init else "the built-in GPT-2"

@@ -1,0 +1,238 @@
+"""The weights a run of ``gpipe train`` starts from (``--init``), and the flags of ``--model hf``
+checked together (:func:`model_flags_error`).
+
+``--init`` names one of two things (:func:`init_source`):
+
+- **a folder** ``save_pretrained`` **wrote** (``config.json``, ``model.safetensors`` or its shards):
+  ``--model hf`` fine-tunes it. Its config is the model's, its tokenizer reads ``--data TEXT``
+  (unless ``--tokenizer`` is given), and each stage reads its own tensors from the files
+  (:mod:`gpipe.models.pretrained`).
+- **a run or a checkpoint of gpipe train** (its ``--out``, its ``checkpoints`` folder, or a
+  ``step-*`` folder): a warm start, for every model. The new run takes that run's model
+  (:func:`started_settings`: its ``--model`` and size flags, its vocabulary for a folder of
+  language pairs, the config and tokenizer a ``--model hf`` checkpoint keeps) and its weights only:
+  a new optimizer, a learning-rate schedule and a step count from the start.
+
+A resumed run has its own weights: ``--init`` with ``--resume`` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpipe.models import pretrained
+from gpipe.saving import CheckpointError, latest
+from gpipe.train.checks import ConfigError, flag
+
+__all__ = [
+    "MODEL_SETTINGS",
+    "PRETRAINED",
+    "RUN",
+    "hf_config_path",
+    "init_source",
+    "init_tokenizer",
+    "model_flags_error",
+    "started_settings",
+]
+
+PRETRAINED, RUN = "pretrained", "run"
+
+# What a warm start takes from the run it starts from: the settings that shape the model's weights.
+MODEL_SETTINGS = ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "logit_clip")
+
+# The built-in models' size flags: --model hf takes its size from its config instead.
+_SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
+
+
+def init_source(path: str) -> tuple[str, Path]:
+    """What ``--init path`` is: ``("pretrained", folder)`` for a ``save_pretrained`` folder, or
+    ``("run", step folder)`` for the newest checkpoint of a run of gpipe train; a
+    :class:`ConfigError` saying what it is not."""
+    given = Path(path)
+    if not given.exists():
+        raise ConfigError(
+            f"--init {path!r}: no such folder; give a folder save_pretrained wrote, or a run or checkpoint of "
+            "gpipe train"
+        )
+    if pretrained.is_pretrained(given):
+        return PRETRAINED, given
+    if (given / "manifest.json").is_file():
+        return RUN, given
+    for root in (given / "checkpoints", given):
+        try:
+            found = latest(root) if root.is_dir() else None
+        except CheckpointError as exc:
+            raise ConfigError(f"--init {path!r}: {exc}") from None
+        if found is not None:
+            return RUN, found
+    raise ConfigError(
+        f"--init {path!r} holds neither a model save_pretrained wrote (config.json with model.safetensors) nor a "
+        "checkpoint of gpipe train (a run's --out, its checkpoints folder, or a step-* folder)"
+    )
+
+
+def _saved(checkpoint: Path) -> dict[str, Any]:
+    """The settings the run of ``checkpoint`` saved (its ``run.json``)."""
+    try:
+        config = json.loads((checkpoint / "run.json").read_text())["config"]
+        if not isinstance(config, dict):
+            raise TypeError(f"its 'config' is a {type(config).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        where = str(checkpoint / "run.json")
+        raise ConfigError(f"--init: cannot read the run's settings from {where!r}: {exc}") from None
+    return config
+
+
+def started_settings(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a run started with ``--init RUN``: the model settings of RUN
+    (:data:`MODEL_SETTINGS`) beneath ``given``, a given one that differs refused (the weights are of
+    RUN's model); RUN's vocabulary for a folder of language pairs. Any other ``given`` is returned
+    as it is. ``--init`` with ``--resume`` is refused here."""
+    init = given.get("init")
+    if not init:
+        return given
+    if given.get("resume"):
+        raise ConfigError(
+            f"--init {init!r} starts a run from those weights, and --resume continues the run in --out from its own "
+            "checkpoint: give one of them"
+        )
+    kind, folder = init_source(str(init))
+    if kind != RUN:
+        return given
+    saved = _saved(folder)
+    settings = dict(given)
+    for name in MODEL_SETTINGS:
+        if name not in saved:
+            continue
+        if name in given and given[name] != saved[name]:
+            raise ConfigError(
+                f"--{flag(name)} {given[name]!r} differs from the --init run's {saved[name]!r}: a warm start trains "
+                f"that run's model ({str(folder)!r}); leave --{flag(name)} out"
+            )
+        if name == "hf_config":
+            continue  # (a --model hf checkpoint keeps its config.json: that is the model's)
+        if saved[name] != defaults.get(name):
+            settings[name] = saved[name]
+    vocab = folder / "vocab.model"
+    data = str(settings.get("data") or "")
+    folder_of_pairs = bool(data) and Path(data).is_dir() and not (Path(data) / "manifest.json").is_file()
+    translation = settings.get("model", "transformer") == "transformer"
+    if translation and vocab.is_file() and folder_of_pairs and not settings.get("vocab"):
+        settings["vocab"] = str(vocab)  # (the same ids for the same pieces; prepared data brings its own)
+    return settings
+
+
+def model_flags_error(cfg: Any) -> str | None:
+    """What is wrong with ``cfg``'s (a ``TrainConfig``) flags of the model together, if anything:
+    ``--hf-config`` only with ``--model hf``; with it, no size flag of the built-in models (they
+    would be silently ignored: the config says the size), nor ``--dropout`` with a config.
+    ``--tokenizer`` only with ``--model hf`` on a text file, a file that is there, and not with
+    ``--vocab-size``. ``--init`` a folder that is there; a pretrained one for ``--model hf``, without
+    ``--hf-config`` (it brings its own) or ``--resume``."""
+    if cfg.hf_config and cfg.model != "hf":
+        return f"--hf-config is for --model hf (model: {cfg.model!r}); add --model hf or leave --hf-config out"
+    if cfg.tokenizer and (cfg.model != "hf" or not cfg.data):
+        return (
+            f"--tokenizer is for --model hf on --data TEXT, a text file (model: {cfg.model!r}, data: {cfg.data!r}); "
+            "give both, or leave --tokenizer out"
+        )
+    if cfg.tokenizer and not Path(cfg.tokenizer).exists():
+        return (
+            f"--tokenizer {cfg.tokenizer!r}: no such file or folder; give a tokenizer.json (or its folder) or a "
+            "SentencePiece .model, or leave --tokenizer out to train a vocabulary on the text"
+        )
+    if cfg.tokenizer and cfg.vocab_size:
+        return (
+            f"--vocab-size {cfg.vocab_size} sizes the vocabulary trained on the text, and --tokenizer "
+            f"{cfg.tokenizer!r} brings its own; leave one of them out"
+        )
+    if cfg.init and not cfg.resume and (error := _init_error(cfg)) is not None:
+        return error
+    if cfg.model != "hf":
+        return None
+    defaults = type(cfg)()
+    for name in _SIZE_FLAGS:
+        if getattr(cfg, name) != getattr(defaults, name):
+            return (
+                f"--{flag(name)} {getattr(cfg, name)} sizes the built-in models, not --model hf, whose size comes "
+                f"from --hf-config (a config.json: n_layer, n_embd, ...) or is the built-in GPT-2's; leave "
+                f"--{flag(name)} out"
+            )
+    if (cfg.hf_config or cfg.init) and cfg.dropout:
+        where = "--hf-config" if cfg.hf_config else "--init"
+        return (
+            f"--dropout {cfg.dropout} applies to the built-in GPT-2 only: with {where} the config's own dropout "
+            "settings apply (resid_pdrop, attention_dropout, ... in the config.json); leave --dropout out"
+        )
+    return None
+
+
+def _init_error(cfg: Any) -> str | None:
+    kind, folder = init_source(cfg.init)
+    if kind == PRETRAINED and cfg.model != "hf":
+        return (
+            f"--init {cfg.init!r} is a Hugging Face model (config.json, safetensors): fine-tune it with --model hf "
+            f"(model: {cfg.model!r})"
+        )
+    if kind == PRETRAINED and cfg.hf_config:
+        return (
+            f"--init {cfg.init!r} brings its own config.json, and --hf-config {cfg.hf_config!r} another; leave "
+            "--hf-config out"
+        )
+    if kind == RUN:
+        saved = _saved(folder).get("model", "transformer")
+        if saved != cfg.model:
+            return (
+                f"--init {cfg.init!r} is a checkpoint of a --model {saved} run, and this run trains --model "
+                f"{cfg.model}: a warm start trains the same model; leave --model out"
+            )
+    return None
+
+
+def _started_from(cfg: Any) -> tuple[str, Path]:
+    """Where ``cfg``'s model and tokenizer come from: the ``--init`` folder, or, when the run
+    resumes, its own newest checkpoint (which keeps them: the --init folder may be gone)."""
+    if cfg.resume:
+        found = latest(Path(cfg.out) / "checkpoints")
+        if found is not None:
+            return RUN, found
+    return init_source(cfg.init)
+
+
+def hf_config_path(cfg: Any) -> str:
+    """The config.json of ``cfg``'s Hugging Face model: ``--hf-config``, the ``--init`` folder's, or
+    the config a ``--init`` checkpoint keeps; '' for the built-in GPT-2."""
+    if cfg.hf_config or not cfg.init:
+        return str(cfg.hf_config)
+    kind, folder = _started_from(cfg)
+    if kind == PRETRAINED:
+        return str(folder)
+    kept = folder / "config.json"
+    if not kept.is_file():
+        raise ConfigError(
+            f"--init {cfg.init!r}: its checkpoint {str(folder)!r} holds no config.json (written by gpipe train since "
+            "gpipe export): run that training on (--resume) for a checkpoint with one"
+        )
+    return str(kept)
+
+
+def init_tokenizer(cfg: Any) -> str:
+    """The tokenizer ``--model hf --data TEXT`` reads with: ``--tokenizer``, else the one the
+    ``--init`` folder or checkpoint brings ('' where there is none: a vocabulary is trained)."""
+    if cfg.tokenizer or not cfg.init:
+        return str(cfg.tokenizer)
+    kind, folder = _started_from(cfg)
+    if kind == PRETRAINED:
+        found = pretrained.tokenizer_path(folder)
+        if found is None:
+            raise ConfigError(
+                f"--init {cfg.init!r} brings no tokenizer (tokenizer.json, tokenizer.model), and a vocabulary trained "
+                "on the text would not be the model's: give its tokenizer with --tokenizer"
+            )
+        return str(found)
+    for name in ("tokenizer.json", "vocab.model"):
+        if (folder / name).is_file():
+            return str(folder / name)
+    return ""

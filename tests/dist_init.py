@@ -1,0 +1,46 @@
+"""The torchrun case of tests/test_init.py: ``--init`` pretrained folders read per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from gpipe.balance import balance_by_flops
+from gpipe.distributed import init_from_env
+from gpipe.models import pretrained
+from gpipe.pipeline import Pipeline
+from gpipe.train import TrainConfig
+from gpipe.train.setup import make_data, make_model
+
+
+def pretrained_logits(runs: list[tuple[str, int, int, bool]], text: str) -> dict[str, Any]:
+    """Per run (folder, dp, tp, fsdp): the names of the tensors this rank read, the logits of a
+    batch (on the last stage's ranks; None on the others) and this rank's stage, with 2 stages x
+    ``dp`` replicas (sharded with ``fsdp``) x ``tp`` tensor-parallel ranks."""
+    init_from_env()
+    reads: list[list[str]] = []
+    original = pretrained.Source.read
+
+    def recorded(self: pretrained.Source, wanted: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in original(self, wanted):
+            reads[-1].append(name)
+            yield name, value
+
+    pretrained.Source.read = recorded  # type: ignore[method-assign]
+    logits, stages = [], []
+    ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
+    for folder, dp, tp, fsdp in runs:
+        reads.append([])
+        cfg = TrainConfig(model="hf", init=folder, data=text, partitions=2, data_parallel=dp, tensor_parallel=tp,
+                          fsdp=fsdp, batch=8, chunks=2)  # fmt: skip
+        cfg.check()
+        layers = make_model(cfg, make_data(cfg))
+        pipe = Pipeline(layers, balance_by_flops(2, layers, ids[:2]), chunks=2, data_parallel=dp, fsdp=fsdp,
+                        tensor_parallel=tp)  # fmt: skip
+        pipe.eval()
+        out = pipe(ids)
+        logits.append(None if out is None else out.logits)
+        stages.append(pipe.engine.placement.local_stages[0])
+    return {"logits": logits, "read": reads, "stage": stages}

@@ -1,0 +1,247 @@
+"""``gpipe train --init``: a save_pretrained folder fine-tuned with --model hf, each stage reading its
+own tensors (the pipeline's logits are ``from_pretrained``'s at K = 1, 2, 4, in one process and under
+torchrun pp2, pp2 x fsdp2, pp2 x tp2; a tied GPT-2 keeps its tie), the first step's loss is the plain
+model's, an export after a step at lr 1e-12 gives the source's logits with its names and dtypes; a
+run or checkpoint of gpipe train as a warm start (weights only); every refusal in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe.balance import balance_by_flops
+from gpipe.cli import main
+from gpipe.data import PAD
+from gpipe.pipeline import Pipeline
+from gpipe.recipe import count_tokens, label_smoothing_loss
+from gpipe.saving import load_module
+from gpipe.train import TrainConfig, parse, train
+from gpipe.train.data import train_batch
+from gpipe.train.setup import make_data, make_model
+from tests import pretrained_dirs
+from tests.dist_harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+FLAGS: dict[str, Any] = {"model": "hf", "batch": 8, "chunks": 2, "eval_every": 50, "progress": False,
+                         "tensorboard": "off"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pretrained")
+    text = pretrained_dirs.text_file(root)
+    return {
+        "text": text,
+        "llama": pretrained_dirs.save("llama", root / "llama", text),
+        "gpt2": pretrained_dirs.save("gpt2", root / "gpt2", text),
+    }
+
+
+def _logits(pipe: Pipeline, ids: torch.Tensor) -> torch.Tensor:
+    pipe.eval()
+    out = pipe(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_each_stage_reads_its_share_and_the_logits_are_from_pretrained(folders: dict[str, Path], kind: str) -> None:
+    reference = pretrained_dirs.reference(folders[kind])
+    ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    for k in (1, 2, 4):
+        cfg = TrainConfig(**FLAGS, init=str(folders[kind]), data=str(folders["text"]), partitions=k)
+        cfg.check()
+        data = make_data(cfg)
+        layers = make_model(cfg, data)
+        pipe = Pipeline(layers, balance_by_flops(k, layers, ids[:2]), chunks=2, devices=["cpu"] * k)
+        torch.testing.assert_close(_logits(pipe, ids), expected, rtol=0, atol=1e-5, msg=f"K={k}")
+        if kind == "gpt2" and k > 1:  # the tied head, on the last stage, holds the first stage's embeddings
+            parts = list(pipe.partitions.values())
+            wte = next(p for n, p in parts[0].named_parameters() if n.endswith("transformer.wte.weight"))
+            head = next(p for n, p in parts[-1].named_parameters() if n.endswith("lm_head.weight"))
+            assert wte is not head and torch.equal(wte, head)
+
+
+def test_first_step_loss_export_and_generate(folders: dict[str, Path], tmp_path: Path) -> None:
+    """One step at lr 1e-12: its loss is the plain model's on the same batch; the export has the
+    source's tensor names and bfloat16, and gives its logits; gpipe generate reads the checkpoint."""
+    out = tmp_path / "run"
+    cfg = TrainConfig(**FLAGS, init=str(folders["llama"]), data=str(folders["text"]), partitions=2, steps=1,
+                      lr=1e-12, out=str(out))  # fmt: skip
+    train(cfg)
+    loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    reference = pretrained_dirs.reference(folders["llama"])
+    batch = train_batch(make_data(cfg), cfg, 0, 1)
+    with torch.no_grad():
+        logits = reference(batch.inputs).logits
+    plain = label_smoothing_loss(logits, batch.target, smoothing=cfg.label_smoothing, ignore_index=PAD,
+                                 reduction="sum") / count_tokens(PAD)(batch.target)  # fmt: skip
+    assert loss == pytest.approx(float(plain), rel=1e-5)
+
+    assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf")]) == 0
+    from safetensors import safe_open
+
+    source = json.loads((folders["llama"] / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(source)
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
+    exported = pretrained_dirs.reference(tmp_path / "hf")
+    ids = torch.randint(4, 30, (3, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+    (tmp_path / "prompts.txt").write_text("the cat\na dog sat\n")
+    argv = ["generate", "--checkpoint", str(out), "--input", str(tmp_path / "prompts.txt"), "--output",
+            str(tmp_path / "out.txt"), "--max-new-tokens", "3"]  # fmt: skip
+    assert main(argv) == 0
+    assert len((tmp_path / "out.txt").read_text().splitlines()) == 2
+
+
+def test_a_tied_gpt2_keeps_its_tie_through_training_and_export(folders: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(TrainConfig(**FLAGS, init=str(folders["gpt2"]), data=str(folders["text"]), partitions=2, steps=2,
+                      lr=1e-3, out=str(out)))  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folders["gpt2"])))
+    load_module(model, out / "checkpoints")  # (refuses layers holding different values of one tied tensor)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    source = pretrained_dirs.reference(folders["gpt2"])
+    assert not torch.equal(model.transformer.wte.weight, source.transformer.wte.weight)  # (it trained)
+
+
+def test_a_warm_start_takes_the_runs_model_and_weights_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    common = ["--steps", "2", "--batch", "8", "--chunks", "2", "--eval-every", "50", "--no-progress",
+              "--tensorboard", "off"]  # fmt: skip
+    assert main(["train", "--layers", "1", "--dim", "32", "--hidden", "64", "--out", str(base), *common]) == 0
+    assert main(["train", "--init", str(base), "--lr", "1e-12", "--out", str(tuned), *common]) == 0
+    cfg = parse(["--init", str(base), "--out", str(tmp_path / "x")])
+    assert (cfg.layers, cfg.dim, cfg.hidden) == (1, 32, 64)  # the run's model, not the defaults
+    rows = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # steps from 1, the schedule's warm-up afresh
+    assert rows[0]["lr"] == pytest.approx(1e-12 / 30)
+    from gpipe.train.setup import translation_model
+
+    run = json.loads((base / "checkpoints" / "step-00000002" / "run.json").read_text())
+    a, b = (translation_model(cfg, run["vocab"], run["length"]) for _ in range(2))
+    load_module(a, base / "checkpoints")
+    load_module(b, tuned / "checkpoints")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-9, msg=name)
+    assert "starting from the weights of" in capsys.readouterr().err
+    assert main(["train", "--init", str(base), "--layers", "2", "--out", str(tmp_path / "y"), *common]) == 2
+    assert "--layers 2 differs from the --init run's 1" in capsys.readouterr().err
+
+
+def _broken(folders: dict[str, Path], tmp_path: Path, how: str) -> Path:
+    """A copy of the Llama folder, broken as ``how`` says."""
+    folder = tmp_path / "broken"
+    shutil.copytree(folders["llama"], folder)
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    if how == "shard":
+        (folder / weight_map["model.norm.weight"]).unlink()
+    elif how == "index":
+        weight_map["model.norm.weight"] = "model-99999-of-99999.safetensors"
+        index.write_text(json.dumps({"weight_map": weight_map}))
+    elif how == "shape":
+        from safetensors.torch import load_file, save_file
+
+        file = folder / weight_map["model.norm.weight"]
+        tensors = load_file(str(file))
+        tensors["model.norm.weight"] = torch.ones(7, dtype=torch.bfloat16)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    elif how == "remote":
+        config = json.loads((folder / "config.json").read_text())
+        config |= {"model_type": "my-own-llama", "auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "other":
+        shutil.copyfile(folders["gpt2"] / "config.json", folder / "config.json")
+    elif how == "bin":
+        for file in folder.glob("model*"):
+            file.unlink()
+        torch.save({}, folder / "pytorch_model.bin")
+    elif how == "tokenizer":
+        (folder / "tokenizer.json").unlink()
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("how", "flags", "message"),
+    [
+        ("shard", [], "names the shard 'model-0000"),
+        ("index", [], "names the shard 'model-99999-of-99999.safetensors', which is not in"),
+        ("shape", [], "holds 'model.norm.weight' of shape [7], the model's 'model.norm.weight' is [32]"),
+        ("remote", [], "cannot read --hf-config"),
+        ("other", [], "lacks"),
+        ("bin", [], "holds pytorch_model.bin weights, which gpipe does not read"),
+        ("tokenizer", [], "brings no tokenizer (tokenizer.json, tokenizer.model)"),
+        ("", ["--resume"], "give one of them"),
+        ("", ["--hf-config", "{folder}"], "brings its own config.json"),
+        ("", ["--model", "transformer"], "fine-tune it with --model hf"),
+        ("", ["--dropout", "0.1"], "with --init the config's own dropout settings apply"),
+    ],
+)
+def test_bad_pretrained_folders_and_flags_are_refused_before_training(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, flags: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    folder = _broken(folders, tmp_path, how) if how else folders["llama"]
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--model",
+        "hf",
+        "--init",
+        str(folder),
+        "--data",
+        str(folders["text"]),
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--no-progress",
+        "--tensorboard",
+        "off",
+        *(f.format(folder=folder) for f in flags),
+    ]
+    if "--model" in flags:
+        argv.remove("hf")
+        argv.remove("--model")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
+    folders: dict[str, Path], tmp_path: Path, world: int
+) -> None:
+    """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 and pp2 x fsdp2 (the Llama) in one launch
+    of 4: each rank reads the tensors of its own stage only, and the last stage's logits are
+    from_pretrained's."""
+    layouts = [("llama", 1, 1, False), ("gpt2", 1, 1, False)] if world == 2 else [
+        ("llama", 1, 2, False), ("llama", 2, 1, True)]  # fmt: skip
+    runs = [(str(folders[kind]), dp, tp, fsdp) for kind, dp, tp, fsdp in layouts]
+    ranks = run_ranks("dist_init:pretrained_logits", world, tmp_path, timeout=240, runs=runs, text=str(folders["text"]))
+    ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
+    for i, (kind, dp, _, _) in enumerate(layouts):
+        with torch.no_grad():
+            expected = pretrained_dirs.reference(folders[kind])(ids).logits
+        outputs = [r["logits"][i] for r in ranks if r["logits"][i] is not None]
+        got = torch.cat(outputs) if dp > 1 else outputs[0]  # (replicas: each its share, in rank order)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{kind} {layouts[i]}")
+        first, last = ("model.embed_tokens.weight", "model.norm.weight") if kind == "llama" else (
+            "transformer.wte.weight", "transformer.ln_f.weight")  # fmt: skip
+        for r in ranks:
+            names, on_first = set(r["read"][i]), r["stage"][i] == 0
+            assert (first in names, last in names) == (on_first, not on_first), (layouts[i], r["stage"][i])
