@@ -1,7 +1,7 @@
 """LoRA adapters with peft (gpipe.models.lora): added to a transformers model on the meta device before
 it is traced, materialized by the pipeline with peft's initialization, trained through the schedules with
-the base weights frozen (the gradients of a plain, unpipelined run), and written back as peft writes
-them: an adapter folder PeftModel loads, or the merged model."""
+the base weights frozen (the gradients of a plain, unpipelined run), generating with caches in the stages,
+and written back as peft writes them: an adapter folder PeftModel loads, or the merged model."""
 
 from __future__ import annotations
 
@@ -186,6 +186,21 @@ def test_steps_change_the_adapters_only(traced: tuple[Any, Any, nn.Sequential], 
     assert losses[-1] < losses[0]
     for name, p in _named(pipe).items():
         assert torch.equal(p, before[name]) != lora._is_lora(name), name
+
+
+def test_the_trained_pipeline_generates_as_the_plain_model(traced: tuple[Any, Any, nn.Sequential]) -> None:
+    config, lora_config, layers = traced
+    pipe = _pipe(layers)
+    optimizer = torch.optim.Adam([p for p in pipe.parameters() if p.requires_grad], lr=5e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        pipe.step(X, Y)
+        optimizer.step()
+    plain = _plain(config, lora_config, {n: p.detach() for n, p in _named(pipe).items()}).eval()
+    pipe.eval()
+    ends = {"eos_token_id": 2, "pad_token_id": 0}
+    tokens = pipe.generate(X[:2, :4], max_new_tokens=6, **ends)  # (keys and values cached in the stages)
+    assert torch.equal(tokens, plain.generate(X[:2, :4], max_new_tokens=6, do_sample=False, **ends))
 
 
 def test_to_sequential_traces_a_model_with_adapters() -> None:
