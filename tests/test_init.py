@@ -245,3 +245,37 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
         for r in ranks:
             names, on_first = set(r["read"][i]), r["stage"][i] == 0
             assert (first in names, last in names) == (on_first, not on_first), (layouts[i], r["stage"][i])
+
+
+def test_lora_trains_the_adapters_alone_and_exports_them(folders: dict[str, Path], tmp_path: Path) -> None:
+    """--lora 4: the optimizer holds the adapters' state alone, the base weights stay the source's;
+    the exported PEFT folder (on the base model) and the merged model give the in-training logits."""
+    peft = pytest.importorskip("peft")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from gpipe.saving import load
+
+    out = tmp_path / "run"
+    cfg = TrainConfig(**FLAGS, init=str(folders["llama"]), data=str(folders["text"]), partitions=2, steps=3, lr=0.05,
+                      lora=4, out=str(out))  # fmt: skip
+    train(cfg)
+    step = out / "checkpoints" / "step-00000003"
+    entries = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    states = {k for k in entries if k.startswith("optimizer.state.")}
+    assert states and all(".lora_" in k for k in states)
+    resumed = TrainConfig(**{**vars(cfg), "resume": True})
+    layers = make_model(resumed, make_data(resumed))
+    ids = torch.randint(4, 30, (3, 10), generator=torch.Generator().manual_seed(2))
+    pipe = Pipeline(layers, balance_by_flops(2, layers, ids[:2]), chunks=1, devices=["cpu"] * 2)
+    load(pipe, step)
+    ours = _logits(pipe, ids)
+    with torch.no_grad():
+        assert (ours - pretrained_dirs.reference(folders["llama"])(ids).logits).abs().max() > 1e-3  # (it trained)
+
+    assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "adapter")]) == 0
+    assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    adapted = peft.PeftModel.from_pretrained(pretrained_dirs.reference(folders["llama"]), str(tmp_path / "adapter"))
+    merged = pretrained_dirs.reference(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(adapted.eval()(ids).logits, ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-4)  # (bf16, as the source)

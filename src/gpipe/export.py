@@ -8,7 +8,10 @@
 config, kept in every checkpoint), ``model.safetensors`` (the checkpoint's weights, float32, put back
 into the plain model with :func:`gpipe.saving.load_module`, whatever the run's ``--partitions``) and
 ``generation_config.json``; and the tokenizer when the run read text: its ``tokenizer.json``, or the
-SentencePiece vocabulary it trained converted into one (``vocab.model`` beside it, the original).
+SentencePiece vocabulary it trained converted into one (``vocab.model`` beside it, the original). A run
+started from pretrained weights (``--init``) is written in their dtype. A run with ``--lora`` gives its
+adapter, a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) for
+``PeftModel.from_pretrained`` on the base model; with ``--merge``, the model with the adapters merged.
 Then::
 
     model = transformers.AutoModelForCausalLM.from_pretrained("lm-hf")
@@ -27,6 +30,7 @@ import importlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,8 @@ from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, load_module
 from gpipe.translate import RUN, find_checkpoint
 
+LORA = "lora.json"  # (gpipe.models.lora.LORA: a checkpoint of a run with --lora)
+
 __all__ = ["export", "main"]
 
 
@@ -46,6 +52,12 @@ def _parser() -> ArgumentParser:
     )
     parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
     parser.add_argument("--out", required=True, help="the folder to write (created; it must be new or empty)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a run with --lora: write the model with the adapters merged into its weights (default: the adapter "
+        "alone, a PEFT folder for PeftModel.from_pretrained on the base model)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -114,7 +126,9 @@ def _config(folder: Path) -> Any:
         raise UsageError(f"cannot read {str(file)!r} as a transformers config: {detail}") from None
 
 
-def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False) -> str:
+def export(
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False, merge: bool = False
+) -> str:
     """Write the checkpoint ``checkpoint`` of a ``--model hf`` run into ``out`` as a transformers
     model folder (see the module's docstring); returns what was written, in one line. A bad
     checkpoint or ``out`` raises :class:`UsageError` or ``CheckpointError``, naming it."""
@@ -128,6 +142,10 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, o
     target = Path(out)
     _check_out(target, folder, overwrite)
     config = _config(folder)
+    if (folder / LORA).is_file():
+        return _export_lora(folder, config, target, merge)
+    if merge:
+        raise UsageError(f"--merge: {str(folder)!r} is of a run without --lora, whose weights are whole already")
     from gpipe.data import tokenizer as tokenizers
     from gpipe.data.tokenizer import _transformers
     from gpipe.models.hf import export_dtype
@@ -161,6 +179,30 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, o
     return f"{written}, and no tokenizer: {source}"
 
 
+def _export_lora(folder: Path, config: Any, target: Path, merge: bool) -> str:
+    """A checkpoint of a run with ``--lora``: its adapter as a PEFT folder (with the run's tokenizer),
+    for the base model the run started from (``--init``), or with ``merge`` the model with the adapters
+    merged into its weights (a transformers folder, in the source's dtype)."""
+    from gpipe.data import tokenizer as tokenizers
+    from gpipe.models import lora
+
+    settings = json.loads((folder / RUN).read_text())["config"]
+    base = str(Path(settings["init"]).resolve()) if settings.get("init") else None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.export-{os.getpid()}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (transformers' deprecations, called by peft)
+            written = lora.write_adapter(config, lora.read_lora(folder), folder, staging, merge=merge, base=base)
+        tokenizer, _ = tokenizers.exported(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        _put_in_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return written.replace(repr(str(staging)), repr(str(target)))
+
+
 def _put_in_place(staging: Path, target: Path) -> None:
     """``staging`` becomes ``target``; an earlier ``target`` (checked by :func:`_check_out`) is moved
     aside first and deleted once the new one is there."""
@@ -186,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with contextlib.suppress(ImportError):  # (a command's output is its one line: no bars of transformers')
             importlib.import_module("transformers").utils.logging.disable_progress_bar()
-        print(export(args.checkpoint, args.out, overwrite=args.overwrite))
+        print(export(args.checkpoint, args.out, overwrite=args.overwrite, merge=args.merge))
     except (CheckpointError, ValueError) as exc:  # (UsageError too; ValueError: transformers or a tokenizer file)
         return refuse(exc)
     except OSError as exc:  # a folder that cannot be made, no permission, a full disk

@@ -94,8 +94,9 @@ class Tie:
                 p.copy_(self.local[0].to(p.device))
 
     def sync_grads(self) -> None:
-        """Give every copy the sum of all copies' gradients."""
-        if not self.local:
+        """Give every copy the sum of all copies' gradients; a frozen tied parameter (``requires_grad``
+        False, as the base weights of LoRA: alike on every rank) gets none."""
+        if not self.local or not self.local[0].requires_grad:
             return
         first = self.local[0]
         total = torch.zeros_like(first)

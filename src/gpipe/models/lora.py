@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gpipe.sequential.layers import _Shared
+from gpipe.sequential.layers import bring_init
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -264,8 +264,7 @@ def with_adapter_init(layers: nn.Sequential) -> None:
         init = getattr(brought, "value", None)
         if isinstance(init, _AdapterInit):
             continue
-        # (in __dict__, as _Shared: not a submodule, and shared by the layer's copies)
-        layer.__dict__["gpipe_init"] = _Shared(_AdapterInit(init))
+        bring_init(layer, _AdapterInit(init))  # (not a submodule, and kept by the layer's copies)
 
 
 def lora_json(lora_config: LoraConfig) -> str:

@@ -279,7 +279,7 @@ def attach(layers: nn.Sequential, source: Source) -> None:
     """Make each layer's initialization (what the pipeline runs when it materializes the layer from
     the meta device) read its tensors from ``source`` first."""
     from gpipe.runtime.partition import init_of
-    from gpipe.sequential.layers import _Shared
+    from gpipe.sequential.layers import bring_init
 
     for layer in layers:
-        layer.__dict__["gpipe_init"] = _Shared(Loader(source, init_of(layer, None)))
+        bring_init(layer, Loader(source, init_of(layer, None)))

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from gpipe.sequential.export import ToSequentialError, _has_tensor, pack
 from gpipe.sequential.glue import _Coarse, _flat
-from gpipe.sequential.layers import _Inputs, _Outputs, _shape_of, _Shared
+from gpipe.sequential.layers import _Inputs, _Outputs, _shape_of, bring_init
 from gpipe.sequential.taps import _call_tapping
 
 __all__ = ["_cut"]
@@ -143,7 +143,7 @@ def _cut(
         _adopt_owners(module, layer, root)
         init = getattr(module, "_init_weights", None)  # a Hugging Face model's own initialization
         if callable(init):
-            layer.__dict__["gpipe_init"] = _Shared(_ApplyInit(init))  # (see gpipe.runtime.partition.materialize)
+            bring_init(layer, _ApplyInit(init))  # (see gpipe.runtime.partition.materialize)
         layers.append(layer)
     return nn.Sequential(*layers)
 

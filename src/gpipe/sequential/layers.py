@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from gpipe.microbatch import as_dicts
 
-__all__ = ["_Inputs", "_Outputs", "_Shared", "_shape_of"]
+__all__ = ["_Inputs", "_Outputs", "_Shared", "_shape_of", "bring_init"]
 
 
 Shape = tuple[int | tuple[str, int, int | None] | None, ...]
@@ -189,3 +189,14 @@ class _Outputs(nn.Module):
 
     def forward(self, leaves: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(list(leaves), self.spec.value)
+
+
+def bring_init(layer: nn.Module, init: Any) -> None:
+    """Make ``init(layer)`` the initialization ``layer`` brings: what the pipeline runs when it
+    materializes the layer from the meta device (:func:`gpipe.runtime.partition.init_of`). Kept
+    outside the module's children (a :class:`_Shared`), and, for a traced layer, by ``copy.deepcopy``
+    too, which rebuilds a ``GraphModule`` with only the attributes its ``meta`` names."""
+    shared = _Shared(init)
+    layer.__dict__["gpipe_init"] = shared
+    if isinstance(layer, fx.GraphModule):
+        layer.meta.setdefault("_user_preserved_attributes", {})["gpipe_init"] = shared

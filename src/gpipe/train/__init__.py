@@ -10,6 +10,7 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --model hf                        # a small GPT-2 (transformers), built-in corpus
     gpipe train --model hf --hf-config llama/config.json --data text.txt
     gpipe train --model hf --init llama-hf/ --data text.txt  # fine-tune a save_pretrained folder
+    gpipe train --model hf --init llama-hf/ --data text.txt --lora 8  # LoRA adapters, the weights frozen
     gpipe train --init runs/base --data new-pairs/ --out runs/tuned  # a warm start: weights only, steps from 1
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
     gpipe train --precision bf16                  # activations in bfloat16 (autocast); weights, optimizer, loss fp32
@@ -56,8 +57,8 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 
 # The flags of -h in groups (every TrainConfig field in one; tests/test_train.py holds it).
 _GROUPS = {
-    "model": ("model", "hf_config", "init", "layers", "hidden", "heads", "dim", "filters", "classes", "image_size",
-              "dropout", "logit_clip"),
+    "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "filters",
+              "classes", "image_size", "dropout", "logit_clip"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
@@ -66,9 +67,9 @@ _GROUPS = {
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
 }  # fmt: skip
-_METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "data": "PATH",
-             "vocab": "PATH", "tokenizer": "PATH", "out": "PATH", "checkpoint": "MODE", "tensorboard": "MODE",
-             "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
+_METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
+             "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",
+             "checkpoint": "MODE", "tensorboard": "MODE", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:

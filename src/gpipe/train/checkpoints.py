@@ -45,6 +45,7 @@ class Checkpoints:
         self.pending: AsyncSave | None = None
         self.saved = 0  # the step of the newest save started
         self.config: str | None = None  # --model hf: the config the model was built from
+        self.lora: str | None = None  # --lora: the adapters' lora.json (set by the loop)
         if cfg.model == "hf" and isinstance(data, TokenDataset):
             self.config = hf.config_json(hf_config(cfg, data), keep_dtype=bool(cfg.init))
 
@@ -64,6 +65,8 @@ class Checkpoints:
             extra["vocab.model"] = lambda p: shutil.copyfile(data.vocab_model.path, p)
         if self.config is not None:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
+        if self.lora is not None:
+            extra["lora.json"] = lambda p, settings=self.lora: p.write_text(settings)
         if isinstance(data, (TextLines, PreparedText)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)

@@ -78,6 +78,20 @@ class TrainConfig:
             "its model: weights only, a new optimizer, steps from 1)"
         },
     )
+    lora: int = field(
+        default=0,
+        metadata={
+            "help": "hf: train LoRA adapters of rank R (peft) beside the --lora-targets, the model's own weights "
+            "frozen (no gradients, no optimizer state); 0: train every weight"
+        },
+    )
+    lora_targets: str = field(
+        default="",
+        metadata={
+            "help": "--lora: the modules adapted, comma-separated (q_proj,v_proj); '': peft's default for the "
+            "model's architecture"
+        },
+    )
     tokenizer: str = field(
         default="",
         metadata={

@@ -130,7 +130,8 @@ def model_flags_error(cfg: Any) -> str | None:
     would be silently ignored: the config says the size), nor ``--dropout`` with a config.
     ``--tokenizer`` only with ``--model hf`` on a text file, a file that is there, and not with
     ``--vocab-size``. ``--init`` a folder that is there; a pretrained one for ``--model hf``, without
-    ``--hf-config`` (it brings its own) or ``--resume``."""
+    ``--hf-config`` (it brings its own) or ``--resume``. ``--lora`` for ``--model hf``, and
+    ``--lora-targets`` with it."""
     if cfg.hf_config and cfg.model != "hf":
         return f"--hf-config is for --model hf (model: {cfg.model!r}); add --model hf or leave --hf-config out"
     if cfg.tokenizer and (cfg.model != "hf" or not cfg.data):
@@ -150,6 +151,12 @@ def model_flags_error(cfg: Any) -> str | None:
         )
     if cfg.init and not cfg.resume and (error := _init_error(cfg)) is not None:
         return error
+    if cfg.lora < 0:
+        return f"--lora must be a rank of 1 or more, or 0 to train every weight (got {cfg.lora})"
+    if cfg.lora and cfg.model != "hf":
+        return f"--lora {cfg.lora} adapts a Hugging Face model (peft): add --model hf (model: {cfg.model!r})"
+    if cfg.lora_targets and not cfg.lora:
+        return f"--lora-targets {cfg.lora_targets!r} names the modules --lora R adapts: give --lora R too"
     if cfg.model != "hf":
         return None
     defaults = type(cfg)()

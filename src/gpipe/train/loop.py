@@ -164,6 +164,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     optimizer = make_optimizer(cfg, pipe.parameters())
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
+    checkpoints.lora = getattr(model, "lora", None)  # (--lora: the adapters' settings, kept in lora.json)
     start = checkpoints.resume() if cfg.resume else 1
     if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
         try:

@@ -41,6 +41,8 @@ FIXED = {
     "model": "the model",
     "hf_config": "the model",
     "init": "the model",
+    "lora": "the model (its adapters)",
+    "lora_targets": "the model (its adapters)",
     "layers": "the model's size",
     "hidden": "the model's size",
     "heads": "the model's size",

@@ -26,7 +26,7 @@ from gpipe.data.prepare import train_vocabulary
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
-from gpipe.models import amoebanet, amoebanet_d, hf, pretrained, transformer
+from gpipe.models import amoebanet, amoebanet_d, hf, lora, pretrained, transformer
 from gpipe.recipe import adafactor, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import on_rank_zero, prepared_folder
@@ -40,6 +40,7 @@ def process_rank() -> int:
 
 
 def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    params = (p for p in params if p.requires_grad)  # (--lora: the frozen weights have no optimizer state)
     if cfg.optimizer == "adafactor":
         return adafactor(params)
     if cfg.optimizer == "rmsprop":
@@ -192,6 +193,14 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
         model = hf.build(config)
     except ValueError as exc:  # a setting from_config refuses, or a model that is not causal
         raise ConfigError(f"{where}: {exc}") from exc
+    adapters = None
+    if cfg.lora:  # on the meta model, before it is traced: the layers carry the adapters
+        try:
+            given = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+            targets = lora.targets_for(config, given, model=model)
+            adapters = lora.add_adapters(model, rank=cfg.lora, targets=targets)
+        except ValueError as exc:
+            raise ConfigError(f"--lora: {exc}") from exc
     source = None
     if cfg.init and not cfg.resume and init_source(cfg.init)[0] == PRETRAINED:  # (every rank checks the folder)
         try:
@@ -201,6 +210,9 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
     layers = hf.pipeline_layers(model, data.batch(2, 0, split="eval").inputs)
     if source is not None:  # each stage reads its own layers' tensors as the pipeline materializes them
         pretrained.attach(layers, source)
+    if adapters is not None:  # then peft's initialization of the adapters (B = 0: the model starts as it was)
+        lora.with_adapter_init(layers)
+        layers.lora = lora.lora_json(adapters)  # type: ignore[assignment]  # (what the checkpoints keep)
     return layers
 
 
