@@ -1,5 +1,5 @@
 """``Pipeline.generate`` (issue 25, item 3): a Hugging Face causal LM traced with caches
-(``gpipe.generation.cached_layers``), cut into K stages, continues prompts as the model's own
+(``gpipe.generation.traced.cached_layers``), cut into K stages, continues prompts as the model's own
 ``generate`` does — greedy and beam search token for token, for GPT-2, Llama and Qwen2 from small
 random configs, with left-padded prompts — whatever K, in one process and under torch.distributed;
 seeded sampling gives the same tokens whatever K and the groups; bad requests are refused in one line."""
@@ -107,7 +107,7 @@ def test_bad_requests_are_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"every prompt needs at least one token"):
         pipe.generate(ids[:, :0], max_new_tokens=4)
     plain = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], chunks=1, devices=["cpu"]).eval()
-    with pytest.raises(ValueError, match=r"build it from gpipe.generation.cached_layers\(model\)"):
+    with pytest.raises(ValueError, match=r"build it from gpipe.generation.traced.cached_layers\(model\)"):
         plain.generate(ids, max_new_tokens=4)
 
 

@@ -267,7 +267,7 @@ def sample(pipe: Pipeline, data: Prompted, *, max_new_tokens: int = SAMPLE_TOKEN
     The pipeline is in evaluation mode and built from ``cached_layers``; every rank calls it alike."""
     generation = pipe.generation
     if generation is None:
-        raise ValueError("the pipeline cannot generate: build it from gpipe.generation.cached_layers(model)")
+        raise ValueError("the pipeline cannot generate: build it from gpipe.generation.traced.cached_layers(model)")
     prompt = data.sample_prompt()
     most = generation.max_positions
     new = max_new_tokens if most is None else min(max_new_tokens, most - len(prompt))

@@ -152,7 +152,7 @@ class Pipeline(nn.Module):
             )
         self.loss_count, self.virtual = loss_count, virtual
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
-        # What the layers say about generating (gpipe.generation.cached_layers's), for generate.
+        # What the layers say about generating (gpipe.generation.traced.cached_layers's), for generate.
         self.generation = getattr(module, "generation", None) if isinstance(module, nn.Sequential) else None
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
@@ -303,7 +303,7 @@ class Pipeline(nn.Module):
         groups: int | None = None,
     ) -> Tensor:
         """Continue the prompts ``input_ids`` (batch, length; left-padded, ``attention_mask`` 0 on
-        the padding) of a causal LM built by :func:`gpipe.generation.cached_layers`, with key/value
+        the padding) of a causal LM built by :func:`gpipe.generation.traced.cached_layers`, with key/value
         caches in the stages and ``groups`` groups of prompts in flight (default: one per stage).
         Greedy by default; ``num_beams`` > 1: beam search; ``do_sample``: sampling (``temperature``,
         ``top_k``, ``top_p``; ``seed``: each prompt's own random stream, the same tokens whatever
@@ -314,7 +314,7 @@ class Pipeline(nn.Module):
 
         if self.generation is None:
             raise ValueError(
-                "this pipeline's layers cannot generate: build it from gpipe.generation.cached_layers(model) "
+                "this pipeline's layers cannot generate: build it from gpipe.generation.traced.cached_layers(model) "
                 "(a Hugging Face causal LM traced with caches), not from the model or to_sequential"
             )
         settings = Settings(
