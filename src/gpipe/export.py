@@ -185,6 +185,7 @@ def _export_lora(folder: Path, config: Any, target: Path, merge: bool) -> str:
     merged into its weights (a transformers folder, in the source's dtype)."""
     from gpipe.data import tokenizer as tokenizers
     from gpipe.models import lora
+    from gpipe.models.hf import export_dtype
 
     settings = json.loads((folder / RUN).read_text())["config"]
     base = str(Path(settings["init"]).resolve()) if settings.get("init") else None
@@ -193,7 +194,9 @@ def _export_lora(folder: Path, config: Any, target: Path, merge: bool) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # (transformers' deprecations, called by peft)
-            written = lora.write_adapter(config, lora.read_lora(folder), folder, staging, merge=merge, base=base)
+            dtype = export_dtype(config)
+            written = lora.write_adapter(config, lora.read_lora(folder), folder, staging, merge=merge, base=base,
+                                         dtype=dtype)  # fmt: skip
         tokenizer, _ = tokenizers.exported(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)

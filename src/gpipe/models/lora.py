@@ -327,6 +327,7 @@ def write_adapter(
     *,
     merge: bool,
     base: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Write a checkpoint of a model with adapters as peft writes it, into ``out_folder`` (new or
     empty): the adapter alone (``adapter_config.json``, ``adapter_model.safetensors``, for
@@ -336,7 +337,8 @@ def write_adapter(
     (``save_pretrained``: ``config.json``, ``model.safetensors``). The plain model of ``hf_config``
     is built in float32 on the CPU, given the same adapters, and loaded with the checkpoint by
     qualified names (:func:`gpipe.saving.load_module`, whose ``CheckpointError`` names the entries
-    that differ, for a checkpoint of other adapters or none); returns what was written, in one line."""
+    that differ, for a checkpoint of other adapters or none); ``dtype``: the merged model's (default
+    float32). Returns what was written, in one line."""
     from gpipe.data.tokenizer import _transformers
     from gpipe.saving import load_module
 
@@ -353,7 +355,10 @@ def write_adapter(
     staging = target.parent / f".{target.name}.lora-{os.getpid()}"
     try:
         if merge:
-            wrapped.merge_and_unload().save_pretrained(staging)
+            merged = wrapped.merge_and_unload()
+            if dtype is not None:  # (the base model's dtype: the merge itself is computed in float32)
+                merged.to(dtype)
+            merged.save_pretrained(staging)
         else:
             # (not the LM head's or embeddings' base weights, which peft saves when they are targets: frozen,
             # they are the base model's)
