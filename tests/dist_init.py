@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -9,16 +10,17 @@ import torch
 
 from gpipe.balance import balance_by_flops
 from gpipe.distributed import init_from_env
-from gpipe.models import pretrained
+from gpipe.models import hf, pretrained
 from gpipe.pipeline import Pipeline
 from gpipe.train import TrainConfig
 from gpipe.train.setup import make_data, make_model
 
 
-def pretrained_logits(runs: list[tuple[str, int, int, bool]], text: str) -> dict[str, Any]:
-    """Per run (folder, dp, tp, fsdp): the names of the tensors this rank read, the logits of a
-    batch (on the last stage's ranks; None on the others) and this rank's stage, with 2 stages x
-    ``dp`` replicas (sharded with ``fsdp``) x ``tp`` tensor-parallel ranks."""
+def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) -> dict[str, Any]:
+    """Per run (folder, dp, tp, fsdp, lora rank): the names of the tensors this rank read, the
+    logits of a batch (on the last stage's ranks; None on the others) and this rank's stage, with 2
+    stages x ``dp`` replicas (sharded with ``fsdp``) x ``tp`` tensor-parallel ranks; with LoRA, the
+    names of the parameters that have a gradient after a step."""
     init_from_env()
     reads: list[list[str]] = []
     original = pretrained.Source.read
@@ -31,16 +33,25 @@ def pretrained_logits(runs: list[tuple[str, int, int, bool]], text: str) -> dict
     pretrained.Source.read = recorded  # type: ignore[method-assign]
     logits, stages = [], []
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
-    for folder, dp, tp, fsdp in runs:
+    trained: list[list[str]] = []
+    for folder, dp, tp, fsdp, rank in runs:
         reads.append([])
         cfg = TrainConfig(model="hf", init=folder, data=text, partitions=2, data_parallel=dp, tensor_parallel=tp,
-                          fsdp=fsdp, batch=8, chunks=2)  # fmt: skip
+                          fsdp=fsdp, batch=8, chunks=2, lora=rank)  # fmt: skip
         cfg.check()
         layers = make_model(cfg, make_data(cfg))
+        loss = functools.partial(hf.logits_loss, _cross_entropy)
         pipe = Pipeline(layers, balance_by_flops(2, layers, ids[:2]), chunks=2, data_parallel=dp, fsdp=fsdp,
-                        tensor_parallel=tp)  # fmt: skip
+                        tensor_parallel=tp, loss_fn=loss)  # fmt: skip
         pipe.eval()
         out = pipe(ids)
         logits.append(None if out is None else out.logits)
         stages.append(pipe.engine.placement.local_stages[0])
-    return {"logits": logits, "read": reads, "stage": stages}
+        pipe.train()
+        pipe.step(ids, ids.roll(-1, 1))
+        trained.append(sorted(n for n, p in pipe.named_parameters() if p.grad is not None))
+    return {"logits": logits, "read": reads, "stage": stages, "trained": trained}
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())

@@ -226,15 +226,15 @@ def test_bad_pretrained_folders_and_flags_are_refused_before_training(
 def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
     folders: dict[str, Path], tmp_path: Path, world: int
 ) -> None:
-    """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 and pp2 x fsdp2 (the Llama) in one launch
-    of 4: each rank reads the tensors of its own stage only, and the last stage's logits are
-    from_pretrained's."""
-    layouts = [("llama", 1, 1, False), ("gpt2", 1, 1, False)] if world == 2 else [
-        ("llama", 1, 2, False), ("llama", 2, 1, True)]  # fmt: skip
-    runs = [(str(folders[kind]), dp, tp, fsdp) for kind, dp, tp, fsdp in layouts]
+    """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 and pp2 x fsdp2 (the Llama, and with LoRA) in
+    one launch of 4: each rank reads the tensors of its own stage only, and the last stage's logits
+    are from_pretrained's; with LoRA (sharded) a step gives the adapters alone gradients."""
+    layouts = [("llama", 1, 1, False, 0), ("gpt2", 1, 1, False, 0)] if world == 2 else [
+        ("llama", 1, 2, False, 0), ("llama", 2, 1, True, 0), ("llama", 2, 1, True, 4)]  # fmt: skip
+    runs = [(str(folders[kind]), dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts]
     ranks = run_ranks("dist_init:pretrained_logits", world, tmp_path, timeout=240, runs=runs, text=str(folders["text"]))
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
-    for i, (kind, dp, _, _) in enumerate(layouts):
+    for i, (kind, dp, _, _, rank) in enumerate(layouts):
         with torch.no_grad():
             expected = pretrained_dirs.reference(folders[kind])(ids).logits
         outputs = [r["logits"][i] for r in ranks if r["logits"][i] is not None]
@@ -245,6 +245,8 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
         for r in ranks:
             names, on_first = set(r["read"][i]), r["stage"][i] == 0
             assert (first in names, last in names) == (on_first, not on_first), (layouts[i], r["stage"][i])
+            trained = r["trained"][i]
+            assert trained and all((".lora_" in n) == bool(rank) for n in trained), (layouts[i], trained)
 
 
 def test_lora_trains_the_adapters_alone_and_exports_them(folders: dict[str, Path], tmp_path: Path) -> None:
