@@ -17,17 +17,17 @@ from gpipe.train.setup import make_data, make_model
 
 
 def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) -> dict[str, Any]:
-    """Per run (folder, dp, tp, fsdp, lora rank): the names of the tensors this rank read, the
+    """Per run (folder, dp, tp, fsdp, lora rank): the tensors this rank read (name, elements), the
     logits of a batch (on the last stage's ranks; None on the others) and this rank's stage, with 2
     stages x ``dp`` replicas (sharded with ``fsdp``) x ``tp`` tensor-parallel ranks; with LoRA, the
     names of the parameters that have a gradient after a step."""
     init_from_env()
-    reads: list[list[str]] = []
+    reads: list[list[tuple[str, int]]] = []
     original = pretrained.Source.read
 
     def recorded(self: pretrained.Source, wanted: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in original(self, wanted):
-            reads[-1].append(name)
+            reads[-1].append((name, value.numel()))
             yield name, value
 
     pretrained.Source.read = recorded  # type: ignore[method-assign]

@@ -244,13 +244,14 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
 ) -> None:
     """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 and pp2 x fsdp2 (the Llama, and with LoRA) in
     one launch of 4: each rank reads the tensors of its own stage only, and the last stage's logits
-    are from_pretrained's; with LoRA (sharded) a step gives the adapters alone gradients."""
+    are from_pretrained's (split or sharded: each its slices of the files alone); with LoRA (sharded) a
+    step gives the adapters alone gradients."""
     layouts = [("llama", 1, 1, False, 0), ("gpt2", 1, 1, False, 0)] if world == 2 else [
         ("llama", 1, 2, False, 0), ("llama", 2, 1, True, 0), ("llama", 2, 1, True, 4)]  # fmt: skip
     runs = [(str(folders[kind]), dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts]
     ranks = run_ranks("dist_init:pretrained_logits", world, tmp_path, timeout=240, runs=runs, text=str(folders["text"]))
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
-    for i, (kind, dp, _, _, rank) in enumerate(layouts):
+    for i, (kind, dp, tp, _, rank) in enumerate(layouts):
         with torch.no_grad():
             expected = pretrained_dirs.reference(folders[kind])(ids).logits
         outputs = [r["logits"][i] for r in ranks if r["logits"][i] is not None]
@@ -258,11 +259,19 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{kind} {layouts[i]}")
         first, last = ("model.embed_tokens.weight", "model.norm.weight") if kind == "llama" else (
             "transformer.wte.weight", "transformer.ln_f.weight")  # fmt: skip
+        sizes = {n: t.numel() for n, t in pretrained_dirs.reference(folders[kind]).state_dict().items()}
+        read_by_stage: dict[int, int] = {}
         for r in ranks:
-            names, on_first = set(r["read"][i]), r["stage"][i] == 0
+            names, on_first = {n for n, _ in r["read"][i]}, r["stage"][i] == 0
             assert (first in names, last in names) == (on_first, not on_first), (layouts[i], r["stage"][i])
+            read, whole = sum(n for _, n in r["read"][i]), sum(sizes[n.replace(".base_layer.", ".")] for n in names)
+            # each rank of a split or sharded stage reads its slices alone (LoRA's layers: whole, then sharded)
+            assert (read < whole) == ((dp > 1 or tp > 1) and not rank), (layouts[i], read, whole)
+            read_by_stage[r["stage"][i]] = read_by_stage.get(r["stage"][i], 0) + read
             trained = r["trained"][i]
             assert trained and all((".lora_" in n) == bool(rank) for n in trained), (layouts[i], trained)
+        if dp > 1 and not rank:  # the replicas' shards are the stage, once
+            assert sum(read_by_stage.values()) == sum(sizes.values()), (layouts[i], read_by_stage)
 
 
 def test_lora_trains_the_adapters_alone_and_exports_them(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -37,7 +37,15 @@ from gpipe.distributed.failure import name_coordinates
 from gpipe.distributed.tensor_parallel import parallelize
 from gpipe.runtime.context import LossFn
 from gpipe.runtime.executor import Executor
-from gpipe.runtime.partition import Layers, auto_balance, check_balance, partition, resolve_devices
+from gpipe.runtime.partition import (
+    Layers,
+    auto_balance,
+    check_balance,
+    materialize_shards,
+    partition,
+    reads_shards,
+    resolve_devices,
+)
 from gpipe.runtime.placement import Placement
 from gpipe.runtime.planner import AutoPlanner, AutoSchedule, FixedPlanner, Planner
 from gpipe.runtime.stage import Stage
@@ -160,12 +168,15 @@ def _placed_stages(
     init_seed: int,
     tied: Sequence[Sequence[str]],
     init_fn: Callable[[nn.Module], None] | None,
+    defer: bool = False,
 ) -> tuple[list[nn.Sequential], list[Stage]]:
-    """Every stage's layers, each materialized where ``placement`` puts it ('meta' elsewhere), and
-    the stages this process runs (the last one computing the loss)."""
+    """Every stage's layers, each materialized where ``placement`` puts it ('meta' elsewhere, and
+    with ``defer`` here too, to be split, sharded and then materialized), and the stages this process
+    runs (the last one computing the loss)."""
+    devices = [torch.device("meta")] * len(balance) if defer else placement.stage_devices
     partitions = partition(
-        module, balance, placement.stage_devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
-        tied=tied, init_fn=init_fn,
+        module, balance, devices, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed, tied=tied,
+        init_fn=init_fn,
     )  # fmt: skip
     firsts = [sum(balance[:s]) for s in range(len(balance))]
     last = len(balance) - 1
@@ -244,23 +255,33 @@ def _build_ranks(
     pipelines = [ranks[d, :, t].tolist() for d in range(dp) for t in range(tp)]
     placement = Placement.distributed(placement_of(schedule, k, chunks, virtual), device, pipelines, me)
     tied = with_shared(module, balance, tied)
+    # Layers whose initialization fills its shards alone (pretrained weights read per slice) are split and
+    # sharded on the meta device, then materialized: a rank never holds more than its shards of them.
+    defer = (tp > 1 or fsdp) and init_fn is None and isinstance(module, nn.Sequential)
+    defer = defer and all(reads_shards(layer, None) for layer in module)  # type: ignore[arg-type]
     partitions, stages = _placed_stages(
         module, balance, placement, loss_fn, deferred_batch_norm=deferred_batch_norm, init_seed=init_seed,
-        tied=tied, init_fn=init_fn,
+        tied=tied, init_fn=init_fn, defer=defer,
     )  # fmt: skip
     with collective("creation of the pipeline's process groups"):
         transport = ChannelTransport(placement, device, timeout=timeout)
-    ties = _rank_ties(partitions, balance, tied, placement, timeout)
+    ties = _rank_ties(partitions, balance, tied, placement, timeout, sync=not defer)
     comm = RankCollectives(
         placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp, dp_rank=placement.replica // tp
     )
     local = {s: partitions[s] for s in placement.local_stages}
     if tp > 1:  # after the ties' values agree; before FSDP shards what it split
         _split_layers(local, mesh["tp"], tp_plan)
-    sharding = StageSharding(local, mesh["dp"]) if fsdp else None
+    materialize = (lambda: _materialize_shards(local, device, init_seed)) if defer else None
+    sharding = StageSharding(local, mesh["dp"], materialize=materialize) if fsdp else None
+    if materialize is not None and not fsdp:
+        materialize()
     if tp > 1 or fsdp:
         for tie in ties:
             _find_copies(tie, partitions, balance, placement)
+            if defer:
+                with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
+                    tie.sync_values()
     return Engine(
         placement,
         Executor(stages, placement, transport=transport, stage_wide=sharding.run if sharding else None),
@@ -272,6 +293,13 @@ def _build_ranks(
         planner_of(schedule, placement, virtual, comm, sharded=fsdp),
         sharding,
     )
+
+
+def _materialize_shards(local: dict[int, nn.Sequential], device: torch.device, init_seed: int) -> None:
+    """Storage and values for this rank's shards of its layers, split and sharded on the meta device."""
+    for layers in local.values():
+        for index, layer in layers.named_children():
+            materialize_shards(layer, int(index), device, init_seed)
 
 
 def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan) -> None:
@@ -302,9 +330,12 @@ def _rank_ties(
     tied: Sequence[Sequence[str]],
     placement: Placement,
     timeout: float,
+    *,
+    sync: bool = True,
 ) -> list[Tie]:
     """Per tie, this rank's copies and a process group of the ranks holding copies (created by
-    every rank for every replica, in the same order: new_group is collective)."""
+    every rank for every replica, in the same order: new_group is collective); with ``sync`` the
+    first copy's value given to the others (else later: the copies are on the meta device)."""
     ties = []
     me = dist.get_rank()
     for members in names(tied):
@@ -317,7 +348,8 @@ def _rank_ties(
             if me in ranks:
                 tie.group, tie.owner = group, placement.rank_of(stages[0], ranks)
         _find_copies(tie, partitions, balance, placement)
-        with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
-            tie.sync_values()
+        if sync:
+            with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
+                tie.sync_values()
         ties.append(tie)
     return ties

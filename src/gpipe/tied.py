@@ -87,9 +87,10 @@ class Tie:
         if not self.local:
             return
         with torch.no_grad():
-            if self.group is not None:
-                buf = self.local[0].detach()
-                dist.broadcast(buf, src=self.owner, group=self.group)
+            if self.group is not None:  # (split or sharded copies: each holder has the same shard of each)
+                first = self.local[0].detach()
+                dist.broadcast(first.to_local() if isinstance(first, DTensor) else first, src=self.owner,
+                               group=self.group)  # fmt: skip
             for p in self.local[1:]:
                 p.copy_(self.local[0].to(p.device))
 

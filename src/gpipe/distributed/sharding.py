@@ -22,7 +22,7 @@ its UNSHARD / REDUCE_GRAD / RESHARD actions; two of them are private, named in o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -47,7 +47,11 @@ class StageSharding:
     """This rank's stages sharded over the data-parallel mesh ``mesh`` (1-D), run by the schedule's
     U, G and R actions (:meth:`run`)."""
 
-    def __init__(self, partitions: Mapping[int, nn.Module], mesh: DeviceMesh) -> None:
+    def __init__(
+        self, partitions: Mapping[int, nn.Module], mesh: DeviceMesh, *, materialize: Callable[[], None] | None = None
+    ) -> None:
+        """``materialize``: for partitions left on the meta device, called once they are sharded
+        (their parameters DTensors of this rank's shards), to give them storage and values."""
         self._group = mesh.get_group()
         self._holders: dict[int, FSDPModule] = {}
         for s, partition in partitions.items():
@@ -57,9 +61,12 @@ class StageSharding:
             # A sum (the losses are scaled already), reduced as a plain SUM (gloo has no PREMUL_SUM).
             holder.set_gradient_divide_factor(1.0)
             holder.set_force_sum_reduction_for_comms(True)
+            self._holders[s] = holder
+        if materialize is not None:
+            materialize()
+        for holder in self._holders.values():
             state: Any = fully_shard.state(holder)  # type: ignore[attr-defined]
             state._lazy_init()  # what FSDP's first forward would do (its root pre-forward)
-            self._holders[s] = holder
 
     def run(self, action: Action) -> None:
         """Run a stage-wide action of the schedule."""

@@ -131,9 +131,12 @@ class Source:
     files: dict[str, Path]
     dtypes: dict[str, str] = field(default_factory=dict)
 
-    def read(self, wanted: Iterable[str]) -> Iterable[tuple[str, Tensor]]:
-        """The tensors of the model names ``wanted`` (those the folder holds), one at a time, each
-        file opened once and closed after its tensors (its pages leave the process then)."""
+    def read(self, wanted: Mapping[str, Tensor]) -> Iterable[tuple[str, Tensor]]:
+        """The values of the model's tensors ``wanted`` (by name; those the folder holds), one at a
+        time, each file opened once and closed after its tensors (its pages leave the process
+        then). Where a tensor of ``wanted`` is a DTensor (split by tensor parallelism, sharded by
+        FSDP), its value is this rank's shard: the slice of the file's tensor the shard covers,
+        read alone (a strided shard, FSDP's over tensor parallelism's: the tensor read, then cut)."""
         by_file: dict[Path, list[str]] = {}
         for name in wanted:
             key = self.names.get(name)
@@ -142,7 +145,23 @@ class Source:
         for file, names in by_file.items():
             with _opened(file) as f:
                 for name in names:
-                    yield name, f.get_tensor(self.names[name])
+                    yield name, _shard(f, self.names[name], wanted[name])
+
+
+def _shard(opened: Any, key: str, like: Tensor) -> Tensor:
+    """The value of ``like`` in the file ``opened``: the tensor ``key``, or the part of it this
+    rank's shard of ``like`` (a DTensor) covers."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(like, DTensor):
+        return opened.get_tensor(key)  # type: ignore[no-any-return]
+    if all(type(p) in (Shard, Replicate) for p in like.placements):
+        shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+        part: Tensor = opened.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return part
+    whole = opened.get_tensor(key)  # (cut as DTensor cuts it, without communication)
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def plan(model: nn.Module, folder: str | Path) -> Source:
@@ -254,16 +273,21 @@ class Loader:
     :func:`attach`), then lets ``then`` (the model's own initialization, or None) write the rest;
     what ``then`` would overwrite is flagged as loaded, as ``from_pretrained`` flags it."""
 
+    reads_shards = True  # (gpipe.runtime.partition.reads_shards: split or sharded, it reads its slices alone)
+
     def __init__(self, source: Source, then: Callable[[nn.Module], None] | None) -> None:
         self.source, self.then = source, then
 
     def __call__(self, layer: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
         tensors = layer.state_dict(keep_vars=True)
         loaded = []
         with torch.no_grad():
             for name, value in self.source.read(tensors):
                 target = tensors[name]
-                target.copy_(value)  # (the run's dtype: bf16 or fp16 weights become float32)
+                local = target.to_local() if isinstance(target, DTensor) else target
+                local.copy_(value)  # (the run's dtype: bf16 or fp16 weights become float32)
                 loaded.append(target)
         for t in loaded:
             setattr(t, _LOADED, True)  # transformers' initializers skip it

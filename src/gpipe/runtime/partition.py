@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.rng import derive_seed
@@ -208,15 +209,45 @@ def materialize(
     return _initialized(index, init_seed, device, reset)
 
 
+def reads_shards(layer: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> bool:
+    """Whether the initialization ``layer`` brings fills the local shards of parameters split or
+    sharded on the meta device (DTensors, as tensor parallelism and FSDP leave them) by
+    itself, without the whole tensors: it says so with a true ``reads_shards`` attribute (a loader
+    of pretrained weights reading each rank's slice of the files). Such a layer can be materialized
+    after its stage is split and sharded (:func:`materialize_shards`), never whole."""
+    return bool(getattr(init_of(layer, init_fn), "reads_shards", False))
+
+
+def materialize_shards(layer: nn.Module, index: int, device: torch.device, init_seed: int) -> None:
+    """Give a layer left on the meta device, whose parameters tensor parallelism or FSDP split or
+    sharded there, storage for this rank's shards on ``device``, and run the initialization it
+    brings (one that :func:`reads_shards`), seeded by its global index, checked as
+    :func:`materialize` checks it."""
+    init = init_of(layer, None)
+    if init is None:
+        raise TypeError(f"layer {index} brings no initialization to fill its shards")
+
+    def reset() -> nn.Module:
+        layer.to_empty(device=device)  # (a DTensor's empty_like: its local shard)
+        _initialized_by(init, layer, index)
+        return layer
+
+    _initialized(index, init_seed, device, reset)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _initialized_by(init: Callable[[nn.Module], None], layer: nn.Module, index: int) -> None:
     """Run ``init(layer)`` on fresh storage, and fail naming what it left unwritten (filled with
     NaN first: uninitialized memory must not train silently)."""
     floats = {n: t for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_floating_point()}
     with torch.no_grad():
         for t in floats.values():
-            t.fill_(float("nan"))
+            _local(t).fill_(float("nan"))
     init(layer)
-    left = [n for n, t in floats.items() if bool(torch.isnan(t).any())]
+    left = [n for n, t in floats.items() if bool(torch.isnan(_local(t)).any())]
     if left:
         raise TypeError(
             f"layer {index} was materialized from the meta device, but its initialization left {left} unwritten; "
