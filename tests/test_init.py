@@ -310,3 +310,27 @@ def test_lora_trains_the_adapters_alone_and_exports_them(folders: dict[str, Path
 
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
+
+
+def test_a_translation_warm_start_keeps_its_vocabulary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """New language pairs fine-tune a translation run when their target languages have a tag in its
+    vocabulary (the data is read with it); a pair into another language is refused, naming it."""
+    from gpipe.data.prepared import file_digest
+
+    assert main(["corpus", "--out", str(tmp_path / "corpus")]) == 0
+    common = ["--steps", "1", "--batch", "16", "--eval-every", "50", "--no-progress", "--tensorboard", "off"]
+    assert main(["train", "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "base"), *common]) == 0
+    first = sorted((tmp_path / "corpus").glob("*.tsv"))[0]
+    lines = first.read_text().splitlines()[:300]
+    for name in ("new", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "new" / f"zz-{first.stem.split('-')[1]}.tsv").write_text("\n".join(lines) + "\n")  # into a known one
+    (tmp_path / "other" / "xs-zz.tsv").write_text("\n".join(lines) + "\n")  # into zz: no <2zz>
+    argv = ["train", "--init", str(tmp_path / "base"), *common]
+    assert main([*argv, "--data", str(tmp_path / "new"), "--out", str(tmp_path / "tuned")]) == 0
+    kept = tmp_path / "base" / "checkpoints" / "step-00000001" / "vocab.model"
+    assert file_digest(tmp_path / "tuned" / "prepared" / "vocab.model") == file_digest(kept)
+    capsys.readouterr()
+    assert main([*argv, "--data", str(tmp_path / "other"), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "has pairs into zz (xs-zz), and the vocabulary of the --init run" in err, err

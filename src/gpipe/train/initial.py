@@ -195,6 +195,39 @@ def _init_error(cfg: Any) -> str | None:
                 f"--init {cfg.init!r} is a checkpoint of a --model {saved} run, and this run trains --model "
                 f"{cfg.model}: a warm start trains the same model; leave --model out"
             )
+        if cfg.model == "transformer" and (folder / "vocab.model").is_file() and cfg.data and Path(cfg.data).is_dir():
+            return _vocabulary_error(cfg, folder / "vocab.model")
+    return None
+
+
+def _vocabulary_error(cfg: Any, kept: Path) -> str | None:
+    """A warm start of a translation model keeps its vocabulary (its embeddings are its pieces'):
+    refuse data prepared with another one, or language pairs into a language it has no tag for."""
+    from gpipe.data.files import find_pairs
+    from gpipe.data.prepared import file_digest, is_prepared
+    from gpipe.data.vocab import Vocab
+
+    if is_prepared(cfg.data):
+        if file_digest(Path(cfg.data) / "vocab.model") != file_digest(kept):
+            return (
+                f"--data {cfg.data!r} was prepared with another vocabulary than the --init run's ({str(kept)!r}), "
+                f"whose embeddings the model has: prepare it with gpipe prepare --vocab {str(kept)!r}"
+            )
+        return None
+    vocab = Path(cfg.vocab) if cfg.vocab else kept
+    try:
+        languages = set(Vocab(vocab).languages)
+        pairs = find_pairs(cfg.data)
+    except ValueError:
+        return None  # (said where the data is read, naming the file)
+    missing = sorted({p.tgt for p in pairs.values()} - languages)
+    if missing:
+        into = ", ".join(name for name, p in pairs.items() if p.tgt in missing)
+        return (
+            f"--data {cfg.data!r} has pairs into {', '.join(missing)} ({into}), and the vocabulary of the --init run "
+            f"({str(vocab)!r}) has no tag for them (it has {', '.join(sorted(languages))}): a warm start keeps that "
+            "run's vocabulary and embeddings; train on pairs into its languages, or start a new run"
+        )
     return None
 
 
