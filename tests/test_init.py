@@ -334,3 +334,20 @@ def test_a_translation_warm_start_keeps_its_vocabulary(tmp_path: Path, capsys: p
     assert main([*argv, "--data", str(tmp_path / "other"), "--out", str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err
     assert "has pairs into zz (xs-zz), and the vocabulary of the --init run" in err, err
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+    # Asked: the vocabulary grown by the tag <2zz>, the embeddings by its row, the others the run's.
+    grown = tmp_path / "grown"
+    assert main(["vocab", "--data", str(tmp_path / "other"), "--extend", str(kept), "--out", str(grown)]) == 0
+    out = tmp_path / "grown-run"
+    assert main([*argv, "--data", str(tmp_path / "other"), "--vocab", f"{grown}.model", "--lr", "1e-12", "--out",
+                 str(out)]) == 0  # fmt: skip
+    assert "its vocabulary of" in capsys.readouterr().err
+    before = _model_entries(kept.parent)
+    after = _model_entries(out / "checkpoints" / "step-00000001")
+    rows = json.loads((kept.parent / "run.json").read_text())["vocab"]
+    grew = [k for k, v in before.items() if v.dim() and v.shape[0] == rows and after[k].shape[0] == rows + 1]
+    assert grew  # (the embeddings and the output projection)
+    for name, value in before.items():
+        kept_part = after[name][:rows] if name in grew else after[name]
+        torch.testing.assert_close(kept_part, value, rtol=0, atol=1e-9, msg=name)

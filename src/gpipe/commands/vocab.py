@@ -4,6 +4,7 @@ of the sample. Without ``--size``, as many pieces as the text supports, up to 32
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,12 @@ def _parser() -> ArgumentParser:
         help="sentence pairs drawn to train on (default: as many as the data holds, up to 1e6, as gpipe train draws)",
     )
     v.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    v.add_argument(
+        "--extend",
+        metavar="BASE.model",
+        help="instead of training: BASE (the vocabulary of a run to fine-tune on DATA with gpipe train --init RUN "
+        "--vocab PREFIX.model) with the tags of DATA's target languages it lacks appended, every id of BASE kept",
+    )
     return v
 
 
@@ -61,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(why)
     from gpipe.data import vocab as vocabulary
 
+    if args.extend:
+        return _extend(args, out)
     size = args.size or _SIZE
     try:
         pairs = vocabulary.read_pairs(args.data)
@@ -83,4 +92,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: the sampled text supports only {pieces} pieces (--size left out: up to {size}); the "
               f"vocabulary has {pieces}", file=sys.stderr)  # fmt: skip
     print(f"wrote {model} ({pieces} pieces)")
+    return 0
+
+
+def _extend(args: argparse.Namespace, out: str) -> int:
+    """``--extend BASE``: BASE with the tags of the data's new target languages appended."""
+    from gpipe.data import vocab as vocabulary
+    from gpipe.data.files import find_pairs
+
+    if args.size is not None or args.sample is not None:
+        return refuse("--extend keeps BASE's pieces and adds tags: leave --size and --sample out")
+    try:
+        languages = sorted({p.tgt for p in find_pairs(args.data).values()})
+        if not languages:
+            return refuse(f"--data {args.data!r} holds no language pairs (files named xx-yy.tsv, ...)")
+        base = vocabulary.Vocab(args.extend)
+        model = vocabulary.extend_vocab(base.path, languages, out)
+    except ValueError as exc:
+        return refuse(exc)
+    except OSError as exc:
+        return refuse(f"cannot write --out {out!r}: {exc.strerror or exc}")
+    new = sorted(set(languages) - set(base.languages))
+    added = f"the tags of {', '.join(new)} appended (ids {base.size} to {base.size + len(new) - 1})" if new else (
+        "nothing appended: it has a tag for every target language of the data")  # fmt: skip
+    print(f"wrote {model}: {base.path}'s {base.size} pieces, {added}")
     return 0

@@ -54,6 +54,8 @@ __all__ = [
     "Pairs",
     "Vocab",
     "VocabSizeError",
+    "extend_vocab",
+    "extends",
     "most_pieces",
     "pair_probabilities",
     "read_pairs",
@@ -293,6 +295,43 @@ def _train(
         _copy(Path(f"{made}.vocab"), Path(f"{prefix}.vocab"))
         _copy(Path(f"{made}.model"), Path(f"{prefix}.model"))  # last: a complete vocabulary appears at once
     return Path(f"{prefix}.model")
+
+
+def extend_vocab(base: str | os.PathLike[str], languages: Sequence[str], out_prefix: str) -> Path:
+    """``PREFIX.model`` (and ``PREFIX.vocab``): the SentencePiece model ``base`` with the tags
+    ``<2lang>`` of ``languages`` it lacks appended, as user-defined pieces after its own, so that
+    every id of ``base`` keeps its piece (a model trained with ``base`` grows its embeddings by rows
+    for the new tags alone; :func:`extends` tells). Text is read as ``base`` reads it. Written whole
+    or not at all; a :class:`ValueError` where ``base`` is not a SentencePiece model or ``protobuf``
+    (to edit it) is missing."""
+    old = Vocab(base)  # (refuses a file that is not a model)
+    try:
+        import importlib
+
+        pb: Any = importlib.import_module("sentencepiece.sentencepiece_model_pb2")
+    except ImportError as exc:
+        raise ValueError(f"extending a SentencePiece model needs protobuf (pip install protobuf): {exc}") from None
+    proto = pb.ModelProto()
+    proto.ParseFromString(old.path.read_bytes())
+    for lang in sorted(set(languages) - set(old.languages)):
+        piece = proto.pieces.add()
+        piece.piece, piece.score, piece.type = tag_piece(lang), 0.0, pb.ModelProto.SentencePiece.USER_DEFINED
+    model, table = Path(f"{out_prefix}.model"), Path(f"{out_prefix}.vocab")
+    rows = "".join(f"{p.piece}\t{p.score:g}\n" for p in proto.pieces)
+    write_atomically(table, lambda tmp: Path(tmp).write_text(rows, encoding="utf-8"))
+    data = proto.SerializeToString()
+    write_atomically(model, lambda tmp: Path(tmp).write_bytes(data))  # last: a complete model appears at once
+    return model
+
+
+def extends(grown: Vocab, base: Vocab) -> bool:
+    """Whether ``grown`` is ``base`` with pieces appended (:func:`extend_vocab`): ``base``'s ids keep
+    their pieces, and it reads text as ``base`` does."""
+    if grown.size < base.size:
+        return False
+    same = all(grown._sp.id_to_piece(i) == base._sp.id_to_piece(i) for i in range(base.size))
+    sample = "a sample of text, Ünïcode and 123"
+    return same and grown.encode(sample) == base.encode(sample)
 
 
 def _copy(source: Path, target: Path) -> None:

@@ -161,10 +161,21 @@ def _shape(t: Tensor | Any) -> str:
     return str(tuple(t.shape if isinstance(t, Tensor) else t.size))
 
 
-def load(model: nn.Module, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None) -> int:
+def load(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    grow_rows: bool = False,
+) -> int:
     """Load the newest complete checkpoint of ``directory`` (or a ``step-*`` directory itself) into
     ``model``'s layers, whatever the number of stages it was saved with, and into ``optimizer`` (over
     parameters of this process's layers) its saved state and hyper-parameters. Returns its step.
+
+    ``grow_rows`` (weights only): an entry saved with fewer rows (dim 0) than the model's tensor,
+    the other dimensions alike, fills its first rows and leaves the others as they are: a vocabulary
+    grown by pieces appended after its own (the embeddings' and the output's new rows keep their
+    initialization).
 
     Raises :class:`CheckpointError` (a ValueError) naming the file, and the layer, where the
     checkpoint is corrupt, incomplete or of another shape than the model, or lacks the optimizer
@@ -190,6 +201,7 @@ def load(model: nn.Module, directory: str | os.PathLike[str], *, optimizer: torc
     metadata, files = _read_metadata(target, num_layers)
     saved = metadata.state_dict_metadata
     template: dict[str, Any] = {}
+    grown: dict[str, Tensor] = {}  # entries saved with fewer rows, by key: the model's tensor
     wanted = dict(_layers(model))
     for i, layer in wanted.items():
         expected = layer.state_dict()
@@ -214,19 +226,41 @@ def load(model: nn.Module, directory: str | os.PathLike[str], *, optimizer: torc
                     f"{'a tensor' if isinstance(md, TensorStorageMetadata) else 'an object'}, the model's is "
                     f"{'a tensor' if isinstance(value, Tensor) else 'not'}"
                 )
-            if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
+            if grow_rows and _grows(md, value):
+                if isinstance(value, DTensor):
+                    raise CheckpointError(
+                        f"checkpoint layer {i} ({f'{i}.{key}'!r}): grown rows of a sharded tensor are not read; "
+                        "load it into unsharded layers"
+                    )
+                grown[prefix + key] = value
+            elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(value.shape):
                 raise CheckpointError(
                     f"checkpoint layer {i} ({f'{i}.{key}'!r}, {type(layer).__name__}) in {str(where)!r}: "
                     f"saved shape {_shape(md)}, model's {_shape(value)}"
                 )
             template[prefix + key] = _template(md, value)
+    if grow_rows and optimizer is not None:
+        raise CheckpointError("grow_rows loads weights only: give no optimizer")
     plan = None if optimizer is None else _OptimizerLoad(model, optimizer, metadata, target)
     if plan is not None:
         template.update(plan.template)
     _dcp_load(template, target, metadata)
     if plan is not None and optimizer is not None:  # first: the likelier to refuse what it is given
         optimizer.load_state_dict(plan.state_dict(template))
+    for key, value in grown.items():  # the saved rows first, the model's own after them
+        rows = template[key]
+        template[key] = torch.cat([rows.to(value.dtype), value.detach()[len(rows) :].to(rows.device)])
     for i, layer in wanted.items():
         prefix = f"{MODEL}{i}."
         layer.load_state_dict({key: template[prefix + key] for key in layer.state_dict()})
     return int(manifest["step"])
+
+
+def _grows(md: Any, value: Any) -> bool:
+    """Whether the entry ``md`` is ``value`` with fewer rows: dim 0 smaller, the others alike."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(md, TensorStorageMetadata) or not isinstance(value, Tensor) or value.dim() == 0:
+        return False
+    saved = tuple(md.size)
+    return len(saved) == value.dim() and saved[1:] == tuple(value.shape[1:]) and saved[0] < value.shape[0]

@@ -35,6 +35,7 @@ __all__ = [
     "init_tokenizer",
     "model_flags_error",
     "started_settings",
+    "warm_start",
 ]
 
 PRETRAINED, RUN = "pretrained", "run"
@@ -201,32 +202,35 @@ def _init_error(cfg: Any) -> str | None:
 
 
 def _vocabulary_error(cfg: Any, kept: Path) -> str | None:
-    """A warm start of a translation model keeps its vocabulary (its embeddings are its pieces'):
-    refuse data prepared with another one, or language pairs into a language it has no tag for."""
+    """A warm start of a translation model keeps its vocabulary (its embeddings are its pieces'),
+    or one that extends it (``gpipe vocab --extend``: new tags appended, the embeddings grown by
+    their rows): refuse data prepared with another, or pairs into a language without a tag."""
     from gpipe.data.files import find_pairs
-    from gpipe.data.prepared import file_digest, is_prepared
-    from gpipe.data.vocab import Vocab
+    from gpipe.data.prepared import is_prepared
+    from gpipe.data.vocab import Vocab, extends
 
-    if is_prepared(cfg.data):
-        if file_digest(Path(cfg.data) / "vocab.model") != file_digest(kept):
-            return (
-                f"--data {cfg.data!r} was prepared with another vocabulary than the --init run's ({str(kept)!r}), "
-                f"whose embeddings the model has: prepare it with gpipe prepare --vocab {str(kept)!r}"
-            )
-        return None
-    vocab = Path(cfg.vocab) if cfg.vocab else kept
+    prepared = is_prepared(cfg.data)
+    vocab = Path(cfg.data) / "vocab.model" if prepared else Path(cfg.vocab) if cfg.vocab else kept
+    grow = f"gpipe vocab --data {str(cfg.data)!r} --extend {str(kept)!r} --out grown"
     try:
-        languages = set(Vocab(vocab).languages)
-        pairs = find_pairs(cfg.data)
+        base, given = Vocab(kept), Vocab(vocab)
+        pairs = {} if prepared else find_pairs(cfg.data)
     except ValueError:
         return None  # (said where the data is read, naming the file)
-    missing = sorted({p.tgt for p in pairs.values()} - languages)
+    if not extends(given, base):
+        where = f"--data {cfg.data!r} was prepared with" if prepared else f"--vocab {cfg.vocab!r} is"
+        return (
+            f"{where} another vocabulary than the --init run's ({str(kept)!r}), whose embeddings the model has: "
+            f"use that one, or one that extends it ({grow})"
+        )
+    missing = sorted({p.tgt for p in pairs.values()} - set(given.languages))
     if missing:
         into = ", ".join(name for name, p in pairs.items() if p.tgt in missing)
         return (
             f"--data {cfg.data!r} has pairs into {', '.join(missing)} ({into}), and the vocabulary of the --init run "
-            f"({str(vocab)!r}) has no tag for them (it has {', '.join(sorted(languages))}): a warm start keeps that "
-            "run's vocabulary and embeddings; train on pairs into its languages, or start a new run"
+            f"({str(vocab)!r}) has no tag for them (it has {', '.join(sorted(given.languages))}): a warm start keeps "
+            f"that run's vocabulary and embeddings; grow it with the new tags ({grow}, then --vocab grown.model), "
+            "or train on pairs into its languages"
         )
     return None
 
@@ -276,3 +280,31 @@ def init_tokenizer(cfg: Any) -> str:
         if (folder / name).is_file():
             return str(folder / name)
     return ""
+
+
+def warm_start(cfg: Any, pipe: Any, data: Any) -> str:
+    """Load the weights of the ``--init`` run into ``pipe`` (a warm start: this run's optimizer and
+    schedule start afresh); returns what was done, in a line. A translation model whose vocabulary
+    grew (``gpipe vocab --extend``) keeps its rows and adds the new pieces' (their initialization)."""
+    from gpipe.saving import load
+
+    _, folder = init_source(cfg.init)
+    before = _saved_vocab(folder)
+    grown = cfg.model == "transformer" and before is not None and getattr(data, "vocab", before) > before
+    try:
+        step = load(pipe, folder, grow_rows=grown)
+    except CheckpointError as exc:
+        raise ConfigError(
+            f"--init {cfg.init!r}: {exc}; a warm start trains the model of that run: give its model settings"
+        ) from exc
+    said = f"starting from the weights of {str(folder)!r} (step {step} of that run)"
+    return f"{said}, its vocabulary of {before} pieces grown to {data.vocab}" if grown else said
+
+
+def _saved_vocab(checkpoint: Path) -> int | None:
+    """The vocabulary size a run's checkpoint says its model has (``run.json``'s ``vocab``)."""
+    try:
+        value = json.loads((checkpoint / "run.json").read_text()).get("vocab")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None

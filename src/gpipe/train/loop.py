@@ -27,12 +27,11 @@ from gpipe.models import hf
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
 from gpipe.rng import derive_seed
-from gpipe.saving import CheckpointError, load
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import train_batch
-from gpipe.train.initial import RUN, init_source
+from gpipe.train.initial import RUN, init_source, warm_start
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
 from gpipe.train.precision import autocast, check_supported
 from gpipe.train.resume import check_out, delete_results, resume_point
@@ -166,15 +165,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
     checkpoints.lora = getattr(model, "lora", None)  # (--lora: the adapters' settings, kept in lora.json)
     start = checkpoints.resume() if cfg.resume else 1
-    if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
-        try:
-            step = load(pipe, found[1])  # the weights only: this run's optimizer and schedule start afresh
-        except CheckpointError as exc:
-            raise ConfigError(
-                f"--init {cfg.init!r}: {exc}; a warm start trains the model of that run: give its model settings"
-            ) from exc
+    if cfg.init and not cfg.resume and init_source(cfg.init)[0] == RUN:
+        said = warm_start(cfg, pipe, data)  # the weights only: this run's optimizer and schedule start afresh
         if process_rank() == 0:
-            print(f"starting from the weights of {str(found[1])!r} (step {step} of that run)", file=sys.stderr)
+            print(said, file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     if process_rank() == 0:
