@@ -351,3 +351,27 @@ def test_a_translation_warm_start_keeps_its_vocabulary(tmp_path: Path, capsys: p
     for name, value in before.items():
         kept_part = after[name][:rows] if name in grew else after[name]
         torch.testing.assert_close(kept_part, value, rtol=0, atol=1e-9, msg=name)
+
+
+def test_growing_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpipe vocab --extend keeps BASE's pieces (no --size), needs pairs, and a SentencePiece BASE;
+    grown rows load weights only."""
+    from gpipe.saving import CheckpointError, load
+
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "en-zz.tsv").write_text("a b\tc d\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk.model").write_text("not a model")
+    cases = [
+        (["--data", str(tmp_path / "pairs"), "--extend", str(tmp_path / "junk.model"), "--size", "9"],
+         "--extend keeps BASE's pieces and adds tags: leave --size and --sample out"),
+        (["--data", str(tmp_path / "empty"), "--extend", str(tmp_path / "junk.model")], "no language pair files in"),
+        (["--data", str(tmp_path / "pairs"), "--extend", str(tmp_path / "junk.model")], "is not a SentencePiece model"),
+    ]  # fmt: skip
+    for flags, message in cases:
+        assert main(["vocab", *flags, "--out", str(tmp_path / "grown")]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "grown.model").exists()
+    pipe = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], devices=["cpu"])
+    with pytest.raises(CheckpointError, match="grow_rows loads weights only"):
+        load(pipe, tmp_path, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0), grow_rows=True)
