@@ -372,6 +372,6 @@ def test_growing_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert main(["vocab", *flags, "--out", str(tmp_path / "grown")]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "grown.model").exists()
-    pipe = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], devices=["cpu"])
+    pipe = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], chunks=1, devices=["cpu"])
     with pytest.raises(CheckpointError, match="grow_rows loads weights only"):
         load(pipe, tmp_path, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0), grow_rows=True)

@@ -182,6 +182,10 @@ def load(
     state asked for; nothing is changed then."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if grow_rows and optimizer is not None:
+        raise CheckpointError(
+            "grow_rows loads weights only (the optimizer's state is of the old shapes): give no optimizer"
+        )
     target = _checkpoint_folder(directory)
     manifest = _read_manifest(target / MANIFEST)
     num_layers = sum(_engine(model).balance)
@@ -239,8 +243,6 @@ def load(
                     f"saved shape {_shape(md)}, model's {_shape(value)}"
                 )
             template[prefix + key] = _template(md, value)
-    if grow_rows and optimizer is not None:
-        raise CheckpointError("grow_rows loads weights only: give no optimizer")
     plan = None if optimizer is None else _OptimizerLoad(model, optimizer, metadata, target)
     if plan is not None:
         template.update(plan.template)
