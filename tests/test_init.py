@@ -375,3 +375,23 @@ def test_growing_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     pipe = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], chunks=1, devices=["cpu"])
     with pytest.raises(CheckpointError, match="grow_rows loads weights only"):
         load(pipe, tmp_path, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0), grow_rows=True)
+
+
+def test_a_resumed_init_run_needs_its_checkpoint_alone(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume of an --init run reads its config, tokenizer and weights from its own checkpoint
+    (the pretrained folder may be gone); --init given with --resume is refused."""
+    source = tmp_path / "llama"
+    shutil.copytree(folders["llama"], source)
+    out = tmp_path / "run"
+    argv = ["train", "--model", "hf", "--init", str(source), "--data", str(folders["text"]), "--out", str(out),
+            "--batch", "8", "--chunks", "2", "--eval-every", "50", "--no-progress", "--tensorboard", "off"]  # fmt: skip
+    assert main([*argv, "--steps", "1", "--lora", "2"]) == 0
+    shutil.rmtree(source)
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2", "--no-progress"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (out / "checkpoints" / "step-00000002" / "lora.json").is_file()  # (the run's adapters, resumed)
+    capsys.readouterr()
+    assert main([*argv, "--resume", "--steps", "3"]) == 2
+    assert "give one of them" in capsys.readouterr().err

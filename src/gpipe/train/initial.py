@@ -41,7 +41,8 @@ __all__ = [
 PRETRAINED, RUN = "pretrained", "run"
 
 # What a warm start takes from the run it starts from: the settings that shape the model's weights.
-MODEL_SETTINGS = ("model", "hf_config", "layers", "hidden", "heads", "dim", "filters", "logit_clip")
+MODEL_SETTINGS = ("model", "hf_config", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "filters",
+                  "logit_clip")  # fmt: skip
 
 # The built-in models' size flags: --model hf takes its size from its config instead.
 _SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")
