@@ -157,12 +157,29 @@ def build(config: Any) -> nn.Module:
     transformers = _transformers()
     probe = copy.deepcopy(config)
     probe.num_hidden_layers = 1
+    _small_vocabulary(probe)  # (the check needs a block, not a 128k-row embedding and head in every process)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        _check_causal(transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False), config)
+        _check_causal(transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False), probe)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     return model  # type: ignore[no-any-return]
+
+
+_PROBE_VOCAB = 256
+
+
+def _small_vocabulary(config: Any) -> None:
+    """Shrink ``config``'s vocabulary to :data:`_PROBE_VOCAB` tokens for the causality probe,
+    dropping the special token ids it no longer covers."""
+    if not isinstance(getattr(config, "vocab_size", None), int) or config.vocab_size <= _PROBE_VOCAB:
+        return
+    config.vocab_size = _PROBE_VOCAB
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(config, name, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, int) and i >= _PROBE_VOCAB for i in ids):
+            setattr(config, name, None)
 
 
 @torch.no_grad()
