@@ -34,6 +34,7 @@ def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) ->
     logits, stages = [], []
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
     trained: list[list[str]] = []
+    adapters: list[dict[str, torch.Tensor]] = []
     for folder, dp, tp, fsdp, rank in runs:
         reads.append([])
         cfg = TrainConfig(model="hf", init=folder, data=text, partitions=2, data_parallel=dp, tensor_parallel=tp,
@@ -43,6 +44,7 @@ def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) ->
         loss = functools.partial(hf.logits_loss, _cross_entropy)
         pipe = Pipeline(layers, balance_by_flops(2, layers, ids[:2]), chunks=2, data_parallel=dp, fsdp=fsdp,
                         tensor_parallel=tp, loss_fn=loss)  # fmt: skip
+        adapters.append({n: _whole(p) for n, p in pipe.named_parameters() if ".lora_" in n})
         pipe.eval()
         out = pipe(ids)
         logits.append(None if out is None else out.logits)
@@ -50,8 +52,15 @@ def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) ->
         pipe.train()
         pipe.step(ids, ids.roll(-1, 1))
         trained.append(sorted(n for n, p in pipe.named_parameters() if p.grad is not None))
-    return {"logits": logits, "read": reads, "stage": stages, "trained": trained}
+    return {"logits": logits, "read": reads, "stage": stages, "trained": trained, "adapters": adapters}
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (gathered over its mesh where it is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

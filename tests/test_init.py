@@ -265,13 +265,21 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
             names, on_first = {n for n, _ in r["read"][i]}, r["stage"][i] == 0
             assert (first in names, last in names) == (on_first, not on_first), (layouts[i], r["stage"][i])
             read, whole = sum(n for _, n in r["read"][i]), sum(sizes[n.replace(".base_layer.", ".")] for n in names)
-            # each rank of a split or sharded stage reads its slices alone (LoRA's layers: whole, then sharded)
-            assert (read < whole) == ((dp > 1 or tp > 1) and not rank), (layouts[i], read, whole)
+            assert (read < whole) == (dp > 1 or tp > 1), (layouts[i], read, whole)  # (split or sharded: slices)
             read_by_stage[r["stage"][i]] = read_by_stage.get(r["stage"][i], 0) + read
             trained = r["trained"][i]
             assert trained and all((".lora_" in n) == bool(rank) for n in trained), (layouts[i], trained)
-        if dp > 1 and not rank:  # the replicas' shards are the stage, once
+        if dp > 1:  # the replicas' shards are the stage, once
             assert sum(read_by_stage.values()) == sum(sizes.values()), (layouts[i], read_by_stage)
+        if rank:  # the adapters start as in one process with two stages (sharded: each rank its shard of them)
+            cfg = TrainConfig(**FLAGS, init=str(folders[kind]), data=str(folders["text"]), partitions=2, lora=rank)
+            layers = make_model(cfg, make_data(cfg))
+            one = Pipeline(layers, balance_by_flops(2, layers, ids[:2]), chunks=2, devices=["cpu"] * 2)
+            expected_adapters = {n: p for n, p in one.named_parameters() if ".lora_" in n}
+            got_adapters = {n: v for r in ranks for n, v in r["adapters"][i].items()}
+            assert got_adapters.keys() == expected_adapters.keys()
+            for name, value in got_adapters.items():
+                assert torch.equal(value, expected_adapters[name]), name
 
 
 def test_lora_trains_the_adapters_alone_and_exports_them(folders: dict[str, Path], tmp_path: Path) -> None:

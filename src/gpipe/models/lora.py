@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpipe.sequential.layers import bring_init
 
@@ -51,6 +52,7 @@ __all__ = [
     "write_adapter",
 ]
 
+_INITIALIZED = "_is_hf_initialized"  # transformers' flag: its initializers skip a tensor that has it
 ADAPTER = "default"  # the adapter's name in peft (``lora_A.default``): one adapter per model
 LORA = "lora.json"  # beside config.json in every checkpoint of a run with adapters (:func:`lora_json`)
 
@@ -216,40 +218,72 @@ def init_adapters(layer: nn.Module) -> None:
     an ``nn.Linear``'s default (Kaiming, ``a=sqrt(5)``), ``lora_B`` zero, so that the adapted model
     starts as the base model. A block the layer holds whole keeps peft's layers, and their own
     ``reset_lora_parameters`` runs; a traced module (an LM head) keeps its adapters' matrices only,
-    initialized by name with the same formulas. Nothing else of the layer is touched."""
+    initialized by name with the same formulas. Parameters split or sharded on the meta device
+    (DTensors: FSDP, tensor parallelism) get the same values: the whole matrix is drawn, in the
+    same order, and this rank keeps its shard. Nothing else of the layer is touched."""
     done: set[int] = set()
     lora_layer = _peft().tuners.lora.LoraLayer
     for module in layer.modules():
         if isinstance(module, lora_layer):
-            for adapter in module.lora_A:
-                module.reset_lora_parameters(adapter, True)
-            done.update(id(p) for p in module.parameters() if p is not None)
+            params = [p for p in module.parameters() if p is not None]
+            if any(isinstance(p, DTensor) for p in params):
+                for adapter in module.lora_A:
+                    _fill(module.lora_A[adapter].weight, "A")
+                    for p in module.lora_B[adapter].parameters():
+                        _fill(p, "B")
+            else:
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, True)
+            done.update(id(p) for p in params)
     for name, p in layer.named_parameters():
         which = _adapter_weights(name)
-        if id(p) in done or which is None:
-            continue
-        if which == "A":
-            nn.init.kaiming_uniform_(p, a=math.sqrt(5))
-        else:
-            nn.init.zeros_(p)
+        if id(p) not in done and which is not None:
+            _fill(p, which)
+
+
+def _fill(p: Tensor, which: str) -> None:
+    """``lora_A`` (``which`` "A"): Kaiming-uniform as peft draws it; ``lora_B``: zero. A DTensor
+    gets its shard of the whole matrix so drawn."""
+    whole = torch.empty(p.shape, dtype=p.dtype, device="cpu") if isinstance(p, DTensor) else p
+    if which == "A":
+        nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+    else:
+        nn.init.zeros_(whole)
+    if isinstance(p, DTensor):
+        local = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)
 
 
 class _AdapterInit:
     """A layer's initialization followed by :func:`init_adapters`: the adapters get peft's
     initialization whatever the first gave them (Hugging Face's ``_init_weights`` treats
-    ``lora_A`` and ``lora_B`` as any ``nn.Linear``; a loader of pretrained weights leaves them)."""
+    ``lora_A`` and ``lora_B`` as any ``nn.Linear``: they are flagged as initialized for it, as
+    loaded weights are, so that it draws nothing for them and the adapters' draws are the same
+    whether the layer is whole or sharded; a loader of pretrained weights leaves them). It reads
+    shards where the first does (:func:`gpipe.runtime.partition.reads_shards`)."""
 
     def __init__(self, init: Callable[[nn.Module], None] | None) -> None:
         self.init = init
 
+    @property
+    def reads_shards(self) -> bool:
+        return bool(getattr(self.init, "reads_shards", False))
+
     def __call__(self, layer: nn.Module) -> None:
-        if self.init is not None:
-            self.init(layer)
-        else:  # what materialize does without an init: each module's reset_parameters, children first
-            for module in reversed(list(layer.modules())):
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+        adapters = [p for name, p in layer.named_parameters() if _is_lora(name)]
+        for p in adapters:
+            setattr(p, _INITIALIZED, True)
+        try:
+            if self.init is not None:
+                self.init(layer)
+            else:  # what materialize does without an init: each module's reset_parameters, children first
+                for module in reversed(list(layer.modules())):
+                    reset = getattr(module, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+        finally:
+            for p in adapters:
+                delattr(p, _INITIALIZED)
         init_adapters(layer)
 
 
