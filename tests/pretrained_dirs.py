@@ -54,14 +54,24 @@ def gpt2_config(vocab: int) -> Any:
                                    attn_pdrop=0.0)  # fmt: skip
 
 
+def gemma_config(vocab: int) -> Any:
+    import transformers
+
+    return transformers.GemmaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                                    pad_token_id=0)  # fmt: skip
+
+
 def save(kind: str, folder: Path, text: Path) -> Path:
-    """A ``kind`` ('llama' or 'gpt2') model with seeded random weights saved in ``folder``: the
-    Llama in bfloat16 in shards of at most 20 KB (an index and several files), the GPT-2 in float32
-    in one file, its output projection tied to the embeddings (absent from the file)."""
+    """A ``kind`` ('llama', 'gpt2' or 'gemma') model with seeded random weights saved in ``folder``:
+    the Llama in bfloat16 in shards of at most 20 KB (an index and several files), the GPT-2 and the
+    Gemma in float32 in one file, their output projection tied to the embeddings (absent from the
+    file; Gemma also scales its embeddings)."""
     import transformers
 
     vocab = tokenizer_files(folder, text)
-    config = llama_config(vocab) if kind == "llama" else gpt2_config(vocab)
+    config = {"llama": llama_config, "gpt2": gpt2_config, "gemma": gemma_config}[kind](vocab)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = transformers.AutoModelForCausalLM.from_config(config)
