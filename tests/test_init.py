@@ -1,8 +1,10 @@
 """``gpipe train --init``: a save_pretrained folder fine-tuned with --model hf, each stage reading its
-own tensors (the pipeline's logits are ``from_pretrained``'s at K = 1, 2, 4, in one process and under
-torchrun pp2, pp2 x fsdp2, pp2 x tp2; a tied GPT-2 keeps its tie), the first step's loss is the plain
-model's, an export after a step at lr 1e-12 gives the source's logits with its names and dtypes; a
-run or checkpoint of gpipe train as a warm start (weights only); every refusal in one line."""
+own tensors (the pipeline's logits are ``from_pretrained``'s at K = 1, 2, 4 for a sharded bfloat16
+Llama, a tied GPT-2 and a tied Gemma, in one process and under torchrun pp2, pp2 x tp2, pp2 x fsdp2,
+split or sharded ranks reading their slices alone); the first step's loss is the plain model's, an
+export after a step at lr 1e-12 gives the source's logits with its names and dtypes; LoRA trains the
+adapters alone and exports them; a run or checkpoint of gpipe train as a warm start (weights only,
+a translation run's vocabulary kept, or grown when asked); every refusal in one line."""
 
 from __future__ import annotations
 
