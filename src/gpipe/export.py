@@ -38,10 +38,9 @@ from typing import Any
 import torch
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
+from gpipe.models.lora import LORA
 from gpipe.saving import CheckpointError, load_module
 from gpipe.translate import RUN, find_checkpoint
-
-LORA = "lora.json"  # (gpipe.models.lora.LORA: a checkpoint of a run with --lora)
 
 __all__ = ["export", "main"]
 

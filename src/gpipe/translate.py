@@ -214,7 +214,7 @@ def add_io_flags(parser: ArgumentParser, lines: str, results: str) -> None:
     and the file of ``results``."""
     parser.add_argument("--checkpoint", required=True, help="a run's --out, its checkpoints folder, or a step-* folder")
     parser.add_argument("--input", help=f"a file of {lines}, one a line (default: standard input)")
-    parser.add_argument("--output", help=f"the file to write the {results} to (default: standard output)")
+    parser.add_argument("--output", help=f"the file to write the {results} to (default, or -: standard output)")
 
 
 def _parser() -> ArgumentParser:
@@ -257,10 +257,16 @@ def _input(path: str | None) -> Iterator[IO[str]]:
 
 
 def _write(path: str | None, lines: list[str]) -> None:
-    """The translations to standard output, or to the file ``path`` whole or not at all: written aside
-    and renamed into place, so that a kill or a full disk leaves the file as it was."""
-    if path is None:
-        sys.stdout.writelines(lines)
+    """The translations to standard output (``path`` None or ``-``), or to the file ``path`` whole or not
+    at all: written aside and renamed into place, so that a kill or a full disk leaves the file as it
+    was (a device or a pipe is written in place, a symbolic link's target replaced:
+    :func:`gpipe.saving.write_atomically`)."""
+    if path is None or path == "-":
+        try:
+            sys.stdout.writelines(lines)
+            sys.stdout.flush()
+        except OSError as exc:
+            raise UsageError(f"cannot write the output: {exc.strerror or exc}") from None
         return
 
     def write(tmp: Path) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -108,14 +109,38 @@ def _fsync_dir(directory: Path) -> None:
 def write_atomically(path: Path, write: Any) -> None:
     """Call ``write(temporary_path)``, make it durable, then rename it to ``path``: readers see the
     old file or the complete new one, never a half-written one. A full disk raises
-    :class:`NoSpaceError` naming ``path``; the temporary file is removed whatever happens."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    :class:`NoSpaceError` naming ``path``; the temporary file is removed whatever happens.
+
+    Only a regular file (or a new path) is replaced so: a symbolic link is followed, and its target
+    written (the link stays); a character device, a FIFO or a socket (``/dev/null``, a pipe) is
+    written in place, ``write(path)`` itself, never replaced by a file (its errors, such as
+    ``/dev/full``'s ENOSPC, raised as for a file); a directory is refused
+    (:class:`IsADirectoryError`)."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise _write_error(path, e) from e
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"{path} is a directory; name a file")
+    if mode is not None and not stat.S_ISREG(mode):
+        try:
+            write(target)
+        except (OSError, RuntimeError) as e:
+            clear = _write_error(path, e)
+            if clear is e:
+                raise
+            raise clear from e
+        return
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         try:
             write(tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         except (OSError, RuntimeError) as e:
             clear = _write_error(path, e)
             if clear is e:
@@ -123,7 +148,7 @@ def write_atomically(path: Path, write: Any) -> None:
             raise clear from e
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    _fsync_dir(target.parent)
 
 
 def _remove(path: Path) -> None:

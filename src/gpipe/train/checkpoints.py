@@ -17,7 +17,7 @@ from typing import Any
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
-from gpipe.models import hf
+from gpipe.models import hf, lora
 from gpipe.pipeline import Pipeline
 from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
@@ -66,7 +66,7 @@ class Checkpoints:
         if self.config is not None:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
         if self.lora is not None:
-            extra["lora.json"] = lambda p, settings=self.lora: p.write_text(settings)
+            extra[lora.LORA] = lambda p, settings=self.lora: p.write_text(settings)
         if isinstance(data, (TextLines, PreparedText)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)
