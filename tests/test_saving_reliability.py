@@ -458,3 +458,33 @@ def test_a_corrupt_latest_is_named(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("../../somewhere")
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "latest")) + r": names '\.\./\.\./somewhere'"):
         load_checkpoint(pipe, tmp_path)
+
+
+def test_prune_keeps_the_newest_complete_checkpoints_and_the_latest(tmp_path: Path) -> None:
+    """``gpipe.saving.prune``: the newest N complete step folders stay, so does the one ``latest``
+    names, and an incomplete one (a save under way) is neither counted nor deleted."""
+    from gpipe.saving import prune
+
+    for step in (1, 2, 3, 4, 5):
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        if step != 5:  # step 5: no manifest yet, a save still writing it
+            (folder / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text("step-00000002")  # (named by hand: kept whatever its age)
+    assert prune(tmp_path, 1) == ["step-00000001", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000005"]
+    with pytest.raises(ValueError, match="keep must be a positive number"):
+        prune(tmp_path, 0)
+
+
+def test_keep_n_leaves_the_newest_n_checkpoints_of_a_run(tmp_path: Path) -> None:
+    from gpipe.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--steps", "4", "--checkpoint-every", "1", "--eval-every", "50", "--batch",
+            "8", "--layers", "1", "--dim", "16", "--hidden", "32", "--no-progress", "--tensorboard", "off"]  # fmt: skip
+    assert main([*argv, "--keep", "2"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000004"]
+    assert main([*argv, "--keep", "2", "--resume", "--steps", "6", "--async-checkpoint"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000005", "step-00000006"]
+    assert main([*argv, "--keep", "-1", "--out", str(tmp_path / "other")]) == 2

@@ -51,7 +51,9 @@ to ``.step-00000100.old``, which :func:`latest` falls back to, and removed once 
 place. At every instant a crash therefore leaves the previous checkpoint loadable, ``latest`` names
 only complete folders, and no file of an earlier save of the same step survives in the new one.
 The next save into the directory removes what a killed save left behind (temporary files and
-folders); loading never changes the directory, so it is safe while another process saves.
+folders); loading never changes the directory, so it is safe while another process saves. Old
+checkpoints go only when asked: :func:`prune` deletes the complete ones but the newest N, never the
+one ``latest`` names nor a folder a save is still writing (``gpipe train --keep N``).
 
 Asynchronous saves. ``save(..., asynchronous=True)`` copies this rank's entries into CPU memory (so
 that training may change the weights and the optimizer state at once: the checkpoint holds them as
@@ -87,7 +89,7 @@ front ends), never the applications (train, data, models, ...).
 """
 
 from gpipe.saving.asynchronous import AsyncSave
-from gpipe.saving.folders import CheckpointError, NoSpaceError, latest, write_atomically
+from gpipe.saving.folders import CheckpointError, NoSpaceError, latest, prune, write_atomically
 from gpipe.saving.keys import layer_state
 from gpipe.saving.loader import load
 from gpipe.saving.module import load_module
@@ -101,6 +103,7 @@ __all__ = [
     "layer_state",
     "load",
     "load_module",
+    "prune",
     "save",
     "write_atomically",
 ]

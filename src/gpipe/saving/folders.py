@@ -33,6 +33,7 @@ __all__ = [
     "_remove",
     "_write_error",
     "latest",
+    "prune",
     "write_atomically",
 ]
 
@@ -312,6 +313,28 @@ def _newest_complete(root: Path, why: str) -> Path | None:
     if found is not None:
         warnings.warn(f"{why}; using {found.name}, the newest complete checkpoint there", RuntimeWarning, stacklevel=3)
     return found
+
+
+def prune(directory: str | os.PathLike[str], keep: int) -> list[str]:
+    """Delete the complete ``step-*`` checkpoints of ``directory`` but the newest ``keep`` (by step),
+    never the one ``latest`` names (nor the folder a save has put aside), and nothing a save is
+    still writing (an incomplete folder is neither counted nor deleted); returns the names deleted,
+    oldest first. Call it where no save is under way in ``directory``."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be a positive number of checkpoints (keep: {keep!r})")
+    root = Path(directory)
+    steps = [p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and _complete(p)] if root.is_dir() else []
+    steps.sort(key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+    newest = latest(root)
+    deleted = []
+    for folder in reversed(steps[keep:]):
+        if newest is not None and folder.name == newest.name:
+            continue
+        _remove(folder)
+        deleted.append(folder.name)
+    if deleted:
+        _fsync_dir(root)
+    return deleted
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

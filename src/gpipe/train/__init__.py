@@ -65,7 +65,8 @@ _GROUPS = {
                  "precision", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length", "workers", "augment"),
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
-    "output": ("out", "resume", "overwrite", "checkpoint_every", "async_checkpoint", "progress", "tensorboard"),
+    "output": ("out", "resume", "overwrite", "checkpoint_every", "keep", "async_checkpoint", "progress",
+               "tensorboard"),
 }  # fmt: skip
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
              "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",

@@ -19,7 +19,7 @@ from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf, lora
 from gpipe.pipeline import Pipeline
-from gpipe.saving import AsyncSave, CheckpointError, latest, load, save, write_atomically
+from gpipe.saving import AsyncSave, CheckpointError, latest, load, prune, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.setup import hf_config, process_rank
 
@@ -77,19 +77,27 @@ class Checkpoints:
         asked and ``--async-checkpoint`` is on. A step already saved is not saved again."""
         if step < 1 or step == self.saved:
             return
+        self.finish()  # (a save waits for the one under way: then the older ones are pruned)
         self.saved = step
         if background and self.cfg.async_checkpoint:
             self.pending = save(self.pipe, self.root, step, optimizer=self.optimizer, extra=self._extra(),
                                 asynchronous=True)  # fmt: skip
             return
-        self.pending = None  # (a save waits for the one under way)
         save(self.pipe, self.root, step, optimizer=self.optimizer, extra=self._extra())
+        self._prune()
 
     def finish(self) -> None:
-        """Wait for a save under way (raising its error)."""
+        """Wait for a save under way (raising its error), then prune."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        """``--keep N``: rank 0 deletes the complete checkpoints but the newest N (never the one
+        ``latest`` names: the newest complete one, which a resumed run started from or succeeded)."""
+        if self.cfg.keep and process_rank() == 0:
+            prune(self.root, self.cfg.keep)
 
     def resume(self) -> int:
         """Load the newest checkpoint into the pipeline, the optimizer and the schedule; returns the

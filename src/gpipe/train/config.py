@@ -229,6 +229,10 @@ class TrainConfig:
         default=0.6, metadata={"help": "translation: alpha of beam search's length penalty ((5 + len) / 6) ** alpha"}
     )
     checkpoint_every: int = field(default=100, metadata={"help": "write a checkpoint every N steps"})
+    keep: int = field(
+        default=0,
+        metadata={"help": "keep the newest N checkpoints, deleting older ones as new ones complete (0: keep all)"},
+    )
     async_checkpoint: bool = field(
         default=False,
         metadata={
@@ -304,6 +308,8 @@ class TrainConfig:
             raise ConfigError(error)
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
+        if self.keep < 0:
+            raise ConfigError(f"--keep must be a number of checkpoints, or 0 to keep all (got {self.keep})")
         if self.vocab_size < 0:
             raise ConfigError(
                 f"--vocab-size must be positive, or 0 for as many as the text supports (got {self.vocab_size})"
