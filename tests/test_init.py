@@ -245,12 +245,14 @@ def test_bad_pretrained_folders_and_flags_are_refused_before_training(
 def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
     folders: dict[str, Path], tmp_path: Path, world: int
 ) -> None:
-    """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 and pp2 x fsdp2 (the Llama, and with LoRA) in
-    one launch of 4: each rank reads the tensors of its own stage only, and the last stage's logits
-    are from_pretrained's (split or sharded: each its slices of the files alone); with LoRA (sharded) a
-    step gives the adapters alone gradients."""
+    """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 (the Llama, the tied Gemma) and pp2 x fsdp2
+    (the Llama, and with LoRA) in one launch of 4: each rank reads the tensors of its own stage only,
+    and the last stage's logits are from_pretrained's (split or sharded: each its slices of the files
+    alone; a tie's copies each read theirs); with LoRA (sharded) a step gives the adapters alone
+    gradients."""
     layouts = [("llama", 1, 1, False, 0), ("gpt2", 1, 1, False, 0)] if world == 2 else [
-        ("llama", 1, 2, False, 0), ("llama", 2, 1, True, 0), ("llama", 2, 1, True, 4)]  # fmt: skip
+        ("llama", 1, 2, False, 0), ("gemma", 1, 2, False, 0), ("llama", 2, 1, True, 0),
+        ("llama", 2, 1, True, 4)]  # fmt: skip
     runs = [(str(folders[kind]), dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts]
     ranks = run_ranks("dist_init:pretrained_logits", world, tmp_path, timeout=240, runs=runs, text=str(folders["text"]))
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
@@ -260,7 +262,7 @@ def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
         outputs = [r["logits"][i] for r in ranks if r["logits"][i] is not None]
         got = torch.cat(outputs) if dp > 1 else outputs[0]  # (replicas: each its share, in rank order)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{kind} {layouts[i]}")
-        first, last = ("model.embed_tokens.weight", "model.norm.weight") if kind == "llama" else (
+        first, last = ("model.embed_tokens.weight", "model.norm.weight") if kind != "gpt2" else (
             "transformer.wte.weight", "transformer.ln_f.weight")  # fmt: skip
         sizes = {n: t.numel() for n, t in pretrained_dirs.reference(folders[kind]).state_dict().items()}
         read_by_stage: dict[int, int] = {}

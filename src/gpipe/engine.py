@@ -265,7 +265,7 @@ def _build_ranks(
     )  # fmt: skip
     with collective("creation of the pipeline's process groups"):
         transport = ChannelTransport(placement, device, timeout=timeout)
-    ties = _rank_ties(partitions, balance, tied, placement, timeout, sync=not defer)
+    ties = _rank_ties(partitions, balance, tied, placement, timeout, sync=not defer)  # (deferred: see below)
     comm = RankCollectives(
         placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp, dp_rank=placement.replica // tp
     )
@@ -279,9 +279,8 @@ def _build_ranks(
     if tp > 1 or fsdp:
         for tie in ties:
             _find_copies(tie, partitions, balance, placement)
-            if defer:
-                with collective(f"broadcast of tied parameter {tie_name(tie)}", tie.group):
-                    tie.sync_values()
+    # (deferred copies of a tie are not synced: an init that reads shards gives each copy its slice of the
+    # one tensor they share, as a loader of pretrained weights reads both from the same file tensor)
     return Engine(
         placement,
         Executor(stages, placement, transport=transport, stage_wide=sharding.run if sharding else None),

@@ -213,7 +213,8 @@ def reads_shards(layer: nn.Module, init_fn: Callable[[nn.Module], None] | None) 
     """Whether the initialization ``layer`` brings fills the local shards of parameters split or
     sharded on the meta device (DTensors, as tensor parallelism and FSDP leave them) by
     itself, without the whole tensors: it says so with a true ``reads_shards`` attribute (a loader
-    of pretrained weights reading each rank's slice of the files). Such a layer can be materialized
+    of pretrained weights reading each rank's slice of the files), and it gives the copies of a tied
+    parameter equal values itself (they are not synced afterwards). Such a layer can be materialized
     after its stage is split and sharded (:func:`materialize_shards`), never whole."""
     return bool(getattr(init_of(layer, init_fn), "reads_shards", False))
 
