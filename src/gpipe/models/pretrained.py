@@ -33,7 +33,7 @@ import contextlib
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,11 @@ def tokenizer_path(folder: str | Path) -> Path | None:
     return None
 
 
-def _files(folder: Path) -> dict[str, Path]:
-    """Each tensor of the folder and the file that holds it (from the index's weight map, or the
-    one file's header); a :class:`ValueError` naming what is missing or unreadable."""
+def _headers(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    """Each tensor of the folder: its shape and the file that holds it, from the index's weight map
+    (every shard it names present and holding what it says) or the one file, each file's header read
+    once; a :class:`ValueError` naming what is missing or unreadable."""
+    named: dict[str, Path] | None = None
     if (folder / INDEX).is_file():
         try:
             weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
@@ -75,36 +77,41 @@ def _files(folder: Path) -> dict[str, Path]:
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--init: cannot read the index {str(folder / INDEX)!r}: {exc}") from None
-        files = {str(key): folder / str(name) for key, name in weight_map.items()}
-        for file in sorted(set(files.values())):
+        named = {str(key): folder / str(name) for key, name in weight_map.items()}
+        shards = sorted(set(named.values()))
+        for file in shards:
             if not file.is_file():
                 raise ValueError(
                     f"--init: {str(folder / INDEX)!r} names the shard {file.name!r}, which is not in {str(folder)!r}; "
                     "copy the whole folder save_pretrained wrote"
                 )
-        for file in sorted(set(files.values())):  # the index must say what the shards hold
-            with _opened(file) as f:
-                held = set(f.keys())
-            named = {k for k, v in files.items() if v == file}
-            if named - held:
-                raise ValueError(
-                    f"--init: {str(folder / INDEX)!r} puts {sorted(named - held)[:3]} in {str(file)!r}, which does "
-                    "not hold it: a shard of another save; copy the whole folder again"
-                )
-        return files
-    if (folder / SINGLE).is_file():
-        with _opened(folder / SINGLE) as f:
-            return dict.fromkeys(f.keys(), folder / SINGLE)
-    if any((folder / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    elif (folder / SINGLE).is_file():
+        shards = [folder / SINGLE]
+    elif any((folder / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         raise ValueError(
             f"--init {str(folder)!r} holds pytorch_model.bin weights, which gpipe does not read (unpickling runs "
             "code, and a stage cannot read its share of it): convert them once with "
             "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) (it writes model.safetensors)"
         )
-    raise ValueError(
-        f"--init {str(folder)!r} holds no {SINGLE} nor {INDEX}: give a folder that save_pretrained wrote, or a run "
-        "or checkpoint of gpipe train"
-    )
+    else:
+        raise ValueError(
+            f"--init {str(folder)!r} holds no {SINGLE} nor {INDEX}: give a folder that save_pretrained wrote, or a "
+            "run or checkpoint of gpipe train"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    files: dict[str, Path] = {}
+    for file in shards:
+        with _opened(file) as f:
+            held = set(f.keys())
+            keys = held if named is None else {k for k, v in named.items() if v == file}
+            if keys - held:  # the index must say what the shards hold
+                raise ValueError(
+                    f"--init: {str(folder / INDEX)!r} puts {sorted(keys - held)[:3]} in {str(file)!r}, which does "
+                    "not hold it: a shard of another save; copy the whole folder again"
+                )
+            for key in keys:
+                shapes[key], files[key] = tuple(f.get_slice(key).get_shape()), file
+    return shapes, files
 
 
 @contextlib.contextmanager
@@ -124,12 +131,11 @@ def _opened(file: Path) -> Iterator[Any]:
 @dataclass
 class Source:
     """Where each tensor of a model is in a pretrained folder: ``names[model name] = folder key``,
-    ``files[folder key] = file``; ``dtypes`` are the folder's (``"BF16"``, ...), per folder key."""
+    ``files[folder key] = file``."""
 
     folder: Path
     names: dict[str, str]
     files: dict[str, Path]
-    dtypes: dict[str, str] = field(default_factory=dict)
 
     def read(self, wanted: Mapping[str, Tensor]) -> Iterable[tuple[str, Tensor]]:
         """The values of the model's tensors ``wanted`` (by name; those the folder holds), one at a
@@ -169,15 +175,7 @@ def plan(model: nn.Module, folder: str | Path) -> Source:
     pretrained ``folder``'s, from the files' headers; a :class:`ValueError` naming the tensor and
     the file where one is missing, of another shape, or not the model's (see the module docstring)."""
     root = Path(folder)
-    files = _files(root)
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
-    for file in sorted(set(files.values())):
-        with _opened(file) as f:
-            for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                if files.get(key) == file:
-                    sliced = f.get_slice(key)
-                    shapes[key], dtypes[key] = tuple(sliced.get_shape()), str(sliced.get_dtype())
+    shapes, files = _headers(root)
     expected = model.state_dict()
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied = _tied(model)
@@ -212,7 +210,7 @@ def plan(model: nn.Module, folder: str | Path) -> Source:
             f"{type(model).__name__} of its config.json lacks: {unexpected[:3]}"
             f"{' ...' if len(unexpected) > 3 else ''}; a checkpoint of another model?"
         )
-    return Source(root, names, files, dtypes)
+    return Source(root, names, files)
 
 
 def _is_adapter(name: str) -> bool:
