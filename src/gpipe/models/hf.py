@@ -13,7 +13,9 @@ transformers is imported only when these functions run: ``gpipe`` itself does no
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = [
     "config_json",
     "default_config",
     "export_dtype",
+    "initialized",
     "layer_count",
     "load_config",
     "logits_loss",
@@ -203,6 +206,24 @@ def _check_causal(model: nn.Module, config: Any) -> None:
             "be trained to predict them; give a decoder's config (gpt2, llama, ...), or set is_decoder: true "
             "where the model has it"
         )
+
+
+_INITIALIZED = "_is_hf_initialized"  # transformers' flag of a tensor from_pretrained loaded
+
+
+@contextlib.contextmanager
+def initialized(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Inside, transformers' initializers (a model's ``_init_weights``) leave ``tensors`` as they are:
+    they carry the flag ``from_pretrained`` puts on what it loaded. Nested uses flag and unflag
+    their own tensors only."""
+    flagged = [t for t in tensors if not getattr(t, _INITIALIZED, False)]
+    for t in flagged:
+        setattr(t, _INITIALIZED, True)
+    try:
+        yield
+    finally:
+        for t in flagged:
+            delattr(t, _INITIALIZED)
 
 
 def logits_loss(loss_fn: Any, output: Any, target: Tensor, **kwargs: Any) -> Tensor:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from gpipe.models.hf import initialized
 from gpipe.sequential.layers import bring_init
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ __all__ = [
     "write_adapter",
 ]
 
-_INITIALIZED = "_is_hf_initialized"  # transformers' flag: its initializers skip a tensor that has it
 ADAPTER = "default"  # the adapter's name in peft (``lora_A.default``): one adapter per model
 LORA = "lora.json"  # beside config.json in every checkpoint of a run with adapters (:func:`lora_json`)
 
@@ -270,10 +270,7 @@ class _AdapterInit:
         return bool(getattr(self.init, "reads_shards", False))
 
     def __call__(self, layer: nn.Module) -> None:
-        adapters = [p for name, p in layer.named_parameters() if _is_lora(name)]
-        for p in adapters:
-            setattr(p, _INITIALIZED, True)
-        try:
+        with initialized(p for name, p in layer.named_parameters() if _is_lora(name)):
             if self.init is not None:
                 self.init(layer)
             else:  # what materialize does without an init: each module's reset_parameters, children first
@@ -281,9 +278,6 @@ class _AdapterInit:
                     reset = getattr(module, "reset_parameters", None)
                     if callable(reset):
                         reset()
-        finally:
-            for p in adapters:
-                delattr(p, _INITIALIZED)
         init_adapters(layer)
 
 

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe.models.hf import initialized
+
 __all__ = ["INDEX", "SINGLE", "Loader", "Source", "attach", "is_pretrained", "plan", "tokenizer_path"]
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-_LOADED = "_is_hf_initialized"  # transformers' flag of a tensor from_pretrained loaded: its initializers skip it
 
 
 def is_pretrained(path: str | Path) -> bool:
@@ -287,14 +288,9 @@ class Loader:
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(value)  # (the run's dtype: bf16 or fp16 weights become float32)
                 loaded.append(target)
-        for t in loaded:
-            setattr(t, _LOADED, True)  # transformers' initializers skip it
-        try:
-            if self.then is not None:
+        if self.then is not None:
+            with initialized(loaded):  # (its initializers skip what was read)
                 self.then(layer)
-        finally:
-            for t in loaded:
-                delattr(t, _LOADED)
 
 
 def attach(layers: nn.Sequential, source: Source) -> None:
