@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from gpipe.saving.collective import _failed_on, _report
-from gpipe.saving.folders import METADATA, CheckpointError, _write_error
+from gpipe.saving.folders import METADATA, CheckpointError, _clear_errors
 
 if TYPE_CHECKING:
     import io
@@ -38,14 +38,8 @@ def _dcp_io() -> tuple[Callable[[Path], FileSystemWriter], Callable[[Path, Metad
     class WritingFiles(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-            try:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-            except (OSError, RuntimeError) as e:
-                clear = _write_error(Path(path), e)
-                if clear is e:
-                    raise
-                raise clear from e
+            with _clear_errors(Path(path)), super().create_stream(path, mode) as stream:
+                yield stream
 
     class ReadingFiles(FileSystem):
         @contextlib.contextmanager

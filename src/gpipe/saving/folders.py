@@ -14,6 +14,7 @@ import shutil
 import stat
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "NoSpaceError",
     "_checkpoint_folder",
+    "_clear_errors",
     "_commit",
     "_owned",
     "_prepare",
@@ -94,6 +96,18 @@ def _write_error(path: Path, error: BaseException) -> BaseException:
     return error
 
 
+@contextlib.contextmanager
+def _clear_errors(path: Path) -> Iterator[None]:
+    """A write of ``path`` failing inside raises what :func:`_write_error` makes of its error."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        clear = _write_error(path, e)
+        if clear is e:
+            raise
+        raise clear from e
+
+
 def _fsync_dir(directory: Path) -> None:
     """Make the directory's entries (files created, renamed or removed in it) durable."""
     try:
@@ -127,26 +141,16 @@ def write_atomically(path: Path, write: Any) -> None:
     if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory; name a file")
     if mode is not None and not stat.S_ISREG(mode):
-        try:
+        with _clear_errors(path):
             write(target)
-        except (OSError, RuntimeError) as e:
-            clear = _write_error(path, e)
-            if clear is e:
-                raise
-            raise clear from e
         return
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        try:
+        with _clear_errors(path):
             write(tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
-        except (OSError, RuntimeError) as e:
-            clear = _write_error(path, e)
-            if clear is e:
-                raise
-            raise clear from e
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(target.parent)
@@ -226,7 +230,7 @@ def _prepare(root: Path, target: Path, staging: Path, carry: bool) -> None:
     """Rank 0, every rank waiting: clean up, create the staging folder and, unless ``carry`` is
     False, carry into it the files of ``target`` that are not the checkpoint's own (another writer's
     files, written there just before the save)."""
-    try:
+    with _clear_errors(staging):
         root.mkdir(parents=True, exist_ok=True)
         _clean(root)
         _recover(target)
@@ -241,11 +245,6 @@ def _prepare(root: Path, target: Path, staging: Path, carry: bool) -> None:
                 os.link(entry, staging / entry.name)  # the same file, no copy: it is replaced, never changed
             except OSError:
                 shutil.copy2(entry, staging / entry.name)
-    except OSError as e:
-        clear = _write_error(staging, e)
-        if clear is e:
-            raise
-        raise clear from e
 
 
 def _commit(root: Path, target: Path, staging: Path, manifest: dict[str, Any]) -> None:
