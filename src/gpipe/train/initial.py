@@ -283,13 +283,13 @@ def init_tokenizer(cfg: Any) -> str:
     return ""
 
 
-def warm_start(cfg: Any, pipe: Any, data: Any) -> str:
-    """Load the weights of the ``--init`` run into ``pipe`` (a warm start: this run's optimizer and
-    schedule start afresh); returns what was done, in a line. A translation model whose vocabulary
-    grew (``gpipe vocab --extend``) keeps its rows and adds the new pieces' (their initialization)."""
+def warm_start(cfg: Any, pipe: Any, data: Any, folder: Path) -> str:
+    """Load the weights of the ``--init`` run's checkpoint ``folder`` into ``pipe`` (a warm start:
+    this run's optimizer and schedule start afresh); returns what was done, in a line. A translation
+    model whose vocabulary grew (``gpipe vocab --extend``) keeps its rows and adds the new pieces'
+    (their initialization)."""
     from gpipe.saving import load
 
-    _, folder = init_source(cfg.init)
     before = _saved_vocab(folder)
     grown = cfg.model == "transformer" and before is not None and getattr(data, "vocab", before) > before
     try:

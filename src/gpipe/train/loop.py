@@ -165,8 +165,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
     checkpoints.lora = getattr(model, "lora", None)  # (--lora: the adapters' settings, kept in lora.json)
     start = checkpoints.resume() if cfg.resume else 1
-    if cfg.init and not cfg.resume and init_source(cfg.init)[0] == RUN:
-        said = warm_start(cfg, pipe, data)  # the weights only: this run's optimizer and schedule start afresh
+    if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
+        said = warm_start(cfg, pipe, data, found[1])  # the weights only: a new optimizer and schedule
         if process_rank() == 0:
             print(said, file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
