@@ -74,6 +74,17 @@ def _copy(layers: nn.Sequential) -> nn.Sequential:
     return copied
 
 
+def _steps(pipe: Pipeline, steps: int, *, lr: float) -> tuple[torch.optim.Optimizer, list[float]]:
+    """``steps`` steps of Adam over the trainable parameters (the adapters); the optimizer and the losses."""
+    optimizer = torch.optim.Adam([p for p in pipe.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(float(pipe.step(X, Y)))
+        optimizer.step()
+    return optimizer, losses
+
+
 def _pipe(layers: nn.Sequential, schedule: str = "1f1b", balance: list[int] | None = None) -> Pipeline:
     virtual = 2 if schedule == "zb-v" else 1  # (two stages per worker)
     return Pipeline(_copy(layers), balance or [2, 2], devices=["cpu"] * 2, chunks=2, loss_fn=LOSS,
@@ -172,12 +183,7 @@ def test_steps_change_the_adapters_only(traced: tuple[Any, Any, nn.Sequential], 
     balance = [1, 1, 1, 1] if schedule == "zb-v" else [2, 2]
     pipe = _pipe(layers, schedule, balance)
     before = {n: p.detach().clone() for n, p in _named(pipe).items()}
-    optimizer = torch.optim.Adam([p for p in pipe.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(3):
-        optimizer.zero_grad()
-        losses.append(float(pipe.step(X, Y)))
-        optimizer.step()
+    _, losses = _steps(pipe, 3, lr=1e-2)
     assert losses[-1] < losses[0]
     for name, p in _named(pipe).items():
         assert torch.equal(p, before[name]) != lora._is_lora(name), name
@@ -186,11 +192,7 @@ def test_steps_change_the_adapters_only(traced: tuple[Any, Any, nn.Sequential], 
 def test_the_trained_pipeline_generates_as_the_plain_model(traced: tuple[Any, Any, nn.Sequential]) -> None:
     config, lora_config, layers = traced
     pipe = _pipe(layers)
-    optimizer = torch.optim.Adam([p for p in pipe.parameters() if p.requires_grad], lr=5e-2)
-    for _ in range(3):
-        optimizer.zero_grad()
-        pipe.step(X, Y)
-        optimizer.step()
+    _steps(pipe, 3, lr=5e-2)
     plain = _plain(config, lora_config, {n: p.detach() for n, p in _named(pipe).items()}).eval()
     pipe.eval()
     ends = {"eos_token_id": 2, "pad_token_id": 0}
@@ -213,11 +215,7 @@ def _trained(traced: tuple[Any, Any, nn.Sequential], folder: Path) -> tuple[Pipe
     base model, as save_pretrained writes it."""
     config, _, layers = traced
     pipe = _pipe(layers)
-    optimizer = torch.optim.Adam([p for p in pipe.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):
-        optimizer.zero_grad()
-        pipe.step(X, Y)
-        optimizer.step()
+    optimizer, _ = _steps(pipe, 2, lr=1e-2)
     save(pipe, folder / "ckpt", 2, optimizer=optimizer)
     base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _load(base, _base_weights({n: p.detach() for n, p in _named(pipe).items()}))
