@@ -75,16 +75,22 @@ def init_source(path: str) -> tuple[str, Path]:
     )
 
 
-def _saved(checkpoint: Path) -> dict[str, Any]:
-    """The settings the run of ``checkpoint`` saved (its ``run.json``)."""
+def _run(checkpoint: Path) -> dict[str, Any]:
+    """The ``run.json`` of ``checkpoint``: the settings its run saved (``config``), and what its model
+    was sized from (``vocab``, ...)."""
     try:
-        config = json.loads((checkpoint / "run.json").read_text())["config"]
-        if not isinstance(config, dict):
-            raise TypeError(f"its 'config' is a {type(config).__name__}")
+        run = json.loads((checkpoint / "run.json").read_text())
+        if not isinstance(run, dict) or not isinstance(run["config"], dict):
+            raise TypeError("it holds no object of settings under 'config'")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         where = str(checkpoint / "run.json")
         raise ConfigError(f"--init: cannot read the run's settings from {where!r}: {exc}") from None
-    return config
+    return run
+
+
+def _saved(checkpoint: Path) -> dict[str, Any]:
+    """The settings the run of ``checkpoint`` saved."""
+    return dict(_run(checkpoint)["config"])
 
 
 def started_settings(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -304,8 +310,5 @@ def warm_start(cfg: Any, pipe: Any, data: Any, folder: Path) -> str:
 
 def _saved_vocab(checkpoint: Path) -> int | None:
     """The vocabulary size a run's checkpoint says its model has (``run.json``'s ``vocab``)."""
-    try:
-        value = json.loads((checkpoint / "run.json").read_text()).get("vocab")
-    except (OSError, ValueError):
-        return None
+    value = _run(checkpoint).get("vocab")
     return value if isinstance(value, int) else None
