@@ -125,6 +125,9 @@ class Stage:
         self._fused = {i for i, layer in enumerate(module) if _compiled(layer)}
         # (input grad flags, training) -> output grad flags, for forwards run without autograd.
         self._flows: dict[tuple[tuple[bool, ...], bool], tuple[bool, ...]] = {}
+        self.watch: Callable[[Stage, int, int, Callable[[Any], Any]], Callable[[Any], Any]] | None = None
+        """Set while :func:`gpipe.nonfinite.locate` runs a step again: ``watch(stage, m, i, f)`` wraps
+        the stage's ``i``-th function ``f`` (its last: the loss) for micro-batch ``m``."""
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, layers {self.first}..{self.first + len(self.module) - 1}, {self.device})"
@@ -162,6 +165,8 @@ class Stage:
                 return out * scale
 
             layers.append(loss)
+        if self.watch is not None:
+            layers = [self.watch(self, m, i, f) for i, f in enumerate(layers)]
         return layers
 
     def _call(self, i: int, layer: Callable[[Any], Any], value: Any, m: int, ctx: StepContext) -> Any:

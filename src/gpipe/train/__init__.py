@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -47,6 +48,7 @@ from typing import Any
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig, read_config_file
+from gpipe.train.guard import EXIT_NONFINITE, NonFiniteError
 from gpipe.train.initial import started_settings
 from gpipe.train.loop import one_run, train
 from gpipe.train.resume import resumed_settings
@@ -67,10 +69,12 @@ _GROUPS = {
     "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "keep", "async_checkpoint", "progress",
                "tensorboard"),
+    "faults": ("on_nonfinite", "max_skips", "skip_spikes", "timeout"),
 }  # fmt: skip
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
              "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",
-             "checkpoint": "MODE", "tensorboard": "MODE", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
+             "checkpoint": "MODE", "tensorboard": "MODE", "on_nonfinite": "{stop,skip}", "timeout": "SECONDS",
+             "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:
@@ -119,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(exc)
     except NoSpaceError as exc:  # the checkpoints before it are intact (a save commits whole or not at all)
         return refuse(f"{exc.strerror}; the earlier checkpoints are intact: free space, then --resume")
+    except NonFiniteError as exc:  # a NaN or Inf, named where it appeared (or too many skips in a row)
+        print(f"error: {exc} (the checkpoint of step {exc.step - 1} is kept)", file=sys.stderr)
+        return EXIT_NONFINITE
     except KeyboardInterrupt:
         return 130
     return 0

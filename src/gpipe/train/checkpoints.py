@@ -10,7 +10,7 @@ import json
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class Checkpoints:
         self.saved = 0  # the step of the newest save started
         self.config: str | None = None  # --model hf: the config the model was built from
         self.lora: str | None = None  # --lora: the adapters' lora.json (set by the loop)
+        self.guard: Callable[[], str] | None = None  # the bad-step guard's state, for guard.json (set by the loop)
         if cfg.model == "hf" and isinstance(data, TokenDataset):
             self.config = hf.config_json(hf_config(cfg, data), keep_dtype=bool(cfg.init))
 
@@ -67,6 +68,9 @@ class Checkpoints:
             extra[hf.CONFIG] = lambda p, config=self.config: p.write_text(config + "\n")
         if self.lora is not None:
             extra[lora.LORA] = lambda p, settings=self.lora: p.write_text(settings)
+        if self.guard is not None:
+            guard = self.guard()
+            extra["guard.json"] = lambda p: p.write_text(guard)
         if isinstance(data, (TextLines, PreparedText)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)

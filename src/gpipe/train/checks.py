@@ -1,17 +1,31 @@
 """The checks of one setting of ``gpipe train`` on its own, shared by the flags, a ``--config`` file and
 a resumed run's ``run.json``: the errors (:class:`ConfigError`, :class:`ConfigTypeError`), a value's
-type (:func:`typed`), the ranges of numbers (:data:`RANGES`) and a setting's flag (:func:`flag`).
+type (:func:`typed`), the ranges of numbers (:data:`RANGES`), a setting's flag (:func:`flag`) and the
+checkpoint ``--resume`` continues from (:func:`checkpoint_to_resume`).
 :class:`~gpipe.train.config.TrainConfig` checks the settings together."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
+from pathlib import Path
 from typing import Any
 
 from gpipe.commands.args import UsageError
+from gpipe.saving import CheckpointError, latest
 
-__all__ = ["RANGES", "ROWS", "ConfigError", "ConfigTypeError", "data_flags_error", "flag", "typed"]
+__all__ = [
+    "RANGES",
+    "ROWS",
+    "ConfigError",
+    "ConfigTypeError",
+    "checkpoint_to_resume",
+    "data_flags_error",
+    "flag",
+    "newest_checkpoint",
+    "typed",
+]
 
 
 class ConfigError(UsageError):
@@ -76,6 +90,7 @@ RANGES = {
     "dropout": (_probability, "in [0, 1)"),
     "label_smoothing": (_probability, "in [0, 1)"),
     "length_penalty": (_nonnegative, "a finite number >= 0"),
+    "timeout": (_positive, "a positive finite number of seconds"),
 }
 """The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
 
@@ -111,3 +126,25 @@ def data_flags_error(cfg: Any) -> str | None:
             f"data: {cfg.data!r}); give both, or leave --augment out"
         )
     return None
+
+
+def newest_checkpoint(out: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run in ``out``, if any (a fallback to an older one is said
+    once, when it is loaded, not here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return latest(Path(out) / "checkpoints")
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume: {exc}") from exc
+
+
+def checkpoint_to_resume(out: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from: :func:`newest_checkpoint`, or a :class:`ConfigError`."""
+    found = newest_checkpoint(out)
+    if found is None:
+        raise ConfigError(
+            f"--resume: no checkpoint in {str(Path(out) / 'checkpoints')!r}; leave --resume out to start afresh, "
+            "or give the --out of the run to continue"
+        )
+    return found

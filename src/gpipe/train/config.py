@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import tomllib
-import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,17 @@ from typing import Any
 from gpipe.checkpoint import CHECKPOINT_MODES
 from gpipe.data.prepared import is_prepared
 from gpipe.models import hf
-from gpipe.saving import CheckpointError, latest
 from gpipe.schedule import SCHEDULES
-from gpipe.train.checks import RANGES, ConfigError, ConfigTypeError, data_flags_error, flag, typed
+from gpipe.train.checks import (
+    RANGES,
+    ConfigError,
+    ConfigTypeError,
+    checkpoint_to_resume,
+    data_flags_error,
+    flag,
+    newest_checkpoint,
+    typed,
+)
 from gpipe.train.initial import hf_config_path, model_flags_error
 from gpipe.train.layout import layout_error
 from gpipe.train.precision import PRECISIONS
@@ -28,6 +35,7 @@ from gpipe.train.precision import PRECISIONS
 __all__ = [
     "DEFAULT_LAYERS",
     "MODELS",
+    "NONFINITE",
     "OPTIMIZERS",
     "PRECISIONS",
     "TENSORBOARD_MODES",
@@ -52,6 +60,7 @@ def has_tensorboard() -> bool:
 MODELS = ("transformer", "amoebanet", "hf")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
 OPTIMIZERS = ("adam", "adafactor", "rmsprop")
+NONFINITE = ("stop", "skip")  # --on-nonfinite
 
 
 @dataclass(kw_only=True)
@@ -240,6 +249,30 @@ class TrainConfig:
             "one and Ctrl-C's are written at once)"
         },
     )
+    on_nonfinite: str = field(
+        default="stop",
+        metadata={
+            "help": "a step whose loss or gradients hold NaN or Inf, named where it appeared: stop (exit status 3), "
+            "or skip its update (weights and optimizer state untouched; counted in the metrics)"
+        },
+    )
+    max_skips: int = field(
+        default=5, metadata={"help": "the most steps skipped in a row; one more stops the run (exit status 3)"}
+    )
+    skip_spikes: bool = field(
+        default=False,
+        metadata={
+            "help": "also skip a step whose gradient norm is over 4 standard deviations above its moving mean "
+            "(Lingvo's rule, on the log of the norm; counted against --max-skips)"
+        },
+    )
+    timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "under torchrun: seconds a rank waits for another (a transfer, a collective, a silent heartbeat) "
+            "before the job fails, so that torchrun --max-restarts can restart it"
+        },
+    )
     out: str = field(default="runs/default", metadata={"help": "output directory"})
     resume: bool = field(
         default=False,
@@ -289,13 +322,15 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}, matmuls"
             )
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}; choose one of {', '.join(NONFINITE)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
                     "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_every",
-                    "eval_batches", "checkpoint_every", "eval_sentences", "beam")  # fmt: skip
+                    "eval_batches", "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{flag(name)} must be positive (got {getattr(self, name)})")
@@ -427,28 +462,6 @@ class TrainConfig:
                 where = f"--hf-config {self.hf_config!r}" if self.hf_config else f"--init {self.init!r}'s config"
             return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
-
-
-def newest_checkpoint(out: str | Path) -> Path | None:
-    """The newest complete checkpoint of the run in ``out``, if any (a fallback to an older one is said
-    once, when it is loaded, not here)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return latest(Path(out) / "checkpoints")
-    except CheckpointError as exc:
-        raise ConfigError(f"--resume: {exc}") from exc
-
-
-def checkpoint_to_resume(out: str | Path) -> Path:
-    """The checkpoint ``--resume`` continues from: :func:`newest_checkpoint`, or a :class:`ConfigError`."""
-    found = newest_checkpoint(out)
-    if found is None:
-        raise ConfigError(
-            f"--resume: no checkpoint in {str(Path(out) / 'checkpoints')!r}; leave --resume out to start afresh, "
-            "or give the --out of the run to continue"
-        )
-    return found
 
 
 def read_config_file(path: str) -> dict[str, Any]:

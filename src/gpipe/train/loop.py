@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
+from gpipe.nonfinite import locate
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
 from gpipe.rng import derive_seed
@@ -31,6 +33,7 @@ from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import train_batch
+from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
 from gpipe.train.precision import autocast, check_supported
@@ -164,7 +167,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     scheduler = inverse_sqrt_schedule(optimizer, cfg.lr, cfg.warmup)
     checkpoints = Checkpoints(cfg, pipe, optimizer, scheduler, out, data)
     checkpoints.lora = getattr(model, "lora", None)  # (--lora: the adapters' settings, kept in lora.json)
+    guard = StepGuard(cfg, pipe)  # --on-nonfinite, --max-skips, --skip-spikes
+    checkpoints.guard = guard.state
     start = checkpoints.resume() if cfg.resume else 1
+    if start > 1:
+        guard.load(checkpoints.root / f"step-{start - 1:08d}" / GUARD)
     if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
         said = warm_start(cfg, pipe, data, found[1])  # the weights only: a new optimizer and schedule
         if process_rank() == 0:
@@ -187,28 +194,42 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     loader = StepLoader(make, start, cfg.steps, workers=cfg.workers)
     try:
         for step, batch in loader:
-            torch.manual_seed(derive_seed(cfg.seed, 2, step))  # dropout follows the step, for --resume
+            seed = derive_seed(cfg.seed, 2, step)
+            torch.manual_seed(seed)  # dropout follows the step, for --resume
             began = time.perf_counter()
             optimizer.zero_grad()
+            guard.begin()
+            shared = batch.share if isinstance(batch, ReplicaBatch) else None
             with precision():
-                shared = batch.share if isinstance(batch, ReplicaBatch) else None
                 loss = float(pipe.step(batch.inputs, batch.target, share=shared))
-            if cfg.clip_norm:
+
+            def again(seed: int = seed, batch: Any = batch, shared: Any = shared) -> Any:
+                torch.manual_seed(seed)  # the step again, as it ran, every layer watched
+                with precision():
+                    return locate(pipe, batch.inputs, batch.target, share=shared)
+
+            skipped = guard.check(step, loss, again)  # (NaN or Inf: stops, or says why the update is skipped)
+            if cfg.clip_norm and skipped is None:
                 clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
             # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
             # on interruption is then labelled with the step whose update its weights hold.
             with interrupts.held():
-                optimizer.step()
-                scheduler.step()
+                if skipped is None:
+                    optimizer.step()
+                scheduler.step()  # (the learning rate follows the step number)
                 done = step
                 seconds = time.perf_counter() - began
                 last = {
                     "step": step,
-                    "loss": loss,
+                    "loss": loss if math.isfinite(loss) else None,
                     "lr": scheduler.get_last_lr()[0],
                     rate: batch.count / seconds,
                     "bubble": bubble,
                 }
+                if skipped is not None:
+                    last["skipped"] = skipped
+                if guard.skips:
+                    last["skips"] = guard.skips
                 if tokens:  # the real tokens of the step, and the share of its positions that is padding
                     last["tokens"] = batch.count
                     if isinstance(batch, (TranslationBatch, ReplicaBatch)) and batch.padding is not None:
@@ -238,7 +259,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                             board.add_scalar(name, value, step)
                 if bar is not None:
                     speed = {f"{data.unit}/s": f"{last[rate]:.0f}"}  # tokens/s or images/s
-                    bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **shown)
+                    skips = {"skips": str(guard.skips)} if guard.skips else {}
+                    bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **skips, **shown)
                     bar.update(1)
             if step % cfg.checkpoint_every == 0:
                 checkpoints.save(step, background=True)
@@ -247,6 +269,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         kept = f"; the checkpoint of step {checkpoints.saved} is kept: fix the data, then --resume"
         where = f"--data {cfg.data!r}: " if cfg.data else ""
         raise ConfigError(f"{where}{exc}{kept if checkpoints.saved else ''}") from exc
+    except NonFiniteError:  # every rank stops at the same step: the checkpoint of the step before it is written
+        interrupts.restore()
+        if bar is not None:
+            bar.close()
+        checkpoints.save(done)
+        checkpoints.finish()
+        raise
     except KeyboardInterrupt:
         interrupts.restore()
         if bar is not None:

@@ -4,6 +4,7 @@ the loss curves (``OUT/loss.png``) and the final BLEU table per language pair.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,8 @@ def curves_figure(rows: list[dict[str, Any]], baseline: float, baseline_name: st
     pairs = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("bleu/")} - {"high", "low"})
     fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(12 if pairs else 7, 4), squeeze=False, sharex=True)
     ax = axes[0][0]
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1)
+    losses = [math.nan if r.get("loss") is None else r["loss"] for r in rows]  # (None: a skipped step's NaN)
+    ax.plot([r["step"] for r in rows], losses, label="train loss", lw=1)
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     ax.axhline(baseline, color="gray", ls="--", label=f"{baseline_name} {baseline:.2f}")
     ax.set_xlabel("step")

@@ -59,7 +59,7 @@ FIXED = {
     "optimizer": "the optimizer's saved state",
 }
 # Not settings of the run: how this invocation runs.
-_INVOCATION = ("resume", "overwrite", "out", "progress")
+_INVOCATION = ("resume", "overwrite", "out", "progress", "timeout")
 
 
 # What a run writes into OUT: another run there would write over it (OUT/vocab.model, which

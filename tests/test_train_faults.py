@@ -1,0 +1,138 @@
+"""`gpipe train` on bad steps: a NaN injected at a chosen step and micro-batch is named exactly and stops
+the run (exit status 3) with the checkpoint of the step before; `--on-nonfinite skip` drops that step's
+update (the other steps equal a run without it); `--max-skips` ends a run of bad steps; the spike guard."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import gpipe.train.loop as loop
+from gpipe.cli import main
+from gpipe.train.data import train_batch
+from gpipe.train.guard import SpikeTracker
+
+QUICK = ["--batch", "16", "--chunks", "4", "--steps", "6", "--eval-every", "3", "--eval-batches", "1",
+         "--checkpoint-every", "2", "--no-progress", "--tensorboard", "off"]  # fmt: skip
+
+
+class PoisonAt(nn.Module):
+    """Layer ``inner``, whose output is NaN for the micro-batches whose source tokens are in ``bad``."""
+
+    def __init__(self, inner: nn.Module, bad: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.inner, self.bad = inner, bad
+
+    def forward(self, x: Any) -> Any:
+        out = self.inner(x)
+        tensors = [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and not t.is_meta]
+        tokens = [t for t in tensors if not t.is_floating_point()]
+        if self.training and any(t.shape == b.shape and torch.equal(t, b) for t in tokens for b in self.bad):
+            if isinstance(out, torch.Tensor):
+                return out * math.nan
+            return type(out)(o * math.nan if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+        return out
+
+
+@pytest.fixture
+def poison(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """``poison((step, micro-batch), ...)``: global layer 0 of the next runs gives NaN there (only there)."""
+    where: list[tuple[int, int]] = []
+    make = loop.make_model
+
+    def make_model(cfg: Any, data: Any) -> nn.Module:
+        model = make(cfg, data)
+        rows = cfg.batch // cfg.chunks
+        bad = [train_batch(data, cfg, 0, s).inputs[0][m * rows : (m + 1) * rows] for s, m in where]
+        model[0] = PoisonAt(model[0], bad)
+        return model
+
+    monkeypatch.setattr(loop, "make_model", make_model)
+    yield lambda *at: where.__setitem__(slice(None), at)
+
+
+def rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_nan_stops_the_run_naming_where_it_appeared(
+    poison: Callable[..., None], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    poison((4, 2))
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "error: step 4: NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 2;" in err
+    assert "(the checkpoint of step 3 is kept)" in err
+    assert [r["step"] for r in rows(out)] == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000003"]
+
+
+def test_skip_drops_the_steps_update_and_the_others_equal_a_run_without_it(
+    poison: Callable[..., None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    poison((3, 1))
+    assert main(["train", *QUICK, "--out", str(tmp_path / "skip"), "--on-nonfinite", "skip"]) == 0
+    skipped = rows(tmp_path / "skip")
+    assert [r["step"] for r in skipped] == [1, 2, 3, 4, 5, 6]
+    assert skipped[2]["loss"] is None
+    assert skipped[2]["skipped"] == "NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 1"
+    assert [r.get("skips") for r in skipped] == [None, None, 1, 1, 1, 1]
+
+    # the reference: no NaN, and the optimizer's update of step 3 left out
+    poison()  # (no step)
+    make_optimizer = loop.make_optimizer
+
+    def without_step_3(cfg: Any, params: Any) -> Any:
+        optimizer = make_optimizer(cfg, params)
+        update, calls = optimizer.step, [0]
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return None if calls[0] == 3 else update(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)  # (a method: the scheduler wraps it)
+        return optimizer
+
+    monkeypatch.setattr(loop, "make_optimizer", without_step_3)
+    assert main(["train", *QUICK, "--out", str(tmp_path / "ref")]) == 0
+    ref = rows(tmp_path / "ref")
+    for a, b in zip(skipped, ref):
+        if a["step"] != 3:
+            assert (a["loss"], a.get("eval_loss")) == (b["loss"], b.get("eval_loss")), a["step"]
+
+
+def test_max_skips_in_a_row_stop_the_run(
+    poison: Callable[..., None], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    poison((2, 0), (3, 3), (4, 0))
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--out", str(out), "--on-nonfinite", "skip", "--max-skips", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "error: step 4: NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 0;" in err
+    assert "3 skipped steps in a row, more than --max-skips 2" in err
+    assert [r.get("skipped", "")[:3] for r in rows(out)] == ["", "NaN", "NaN"]
+
+
+def test_the_spike_tracker_skips_an_outlier_after_its_warmup() -> None:
+    tracker = SpikeTracker(warmup=20)
+    norms = [1.0 + 0.05 * math.sin(i) for i in range(30)]
+    assert [tracker.outlier(n) for n in norms] == [None] * 30
+    assert tracker.outlier(1.1) is None  # within 4 sigma
+    why = tracker.outlier(50.0)
+    assert why is not None and why.startswith("gradient norm 50 is over 4 standard deviations above its moving mean")
+    assert tracker.accepted == 31  # the outlier did not enter the averages
+    fresh = SpikeTracker(warmup=20)
+    assert fresh.outlier(1.0) is None and fresh.outlier(1e6) is None  # no verdict before the warm-up
+    restored = SpikeTracker()
+    restored.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
+    assert restored.outlier(50.0) == tracker.outlier(50.0)
