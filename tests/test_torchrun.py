@@ -58,5 +58,5 @@ def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     strip = [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in one]
     assert [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in two] == strip
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000010").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "run.json", "scheduler.json",
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "guard.json", "manifest.json", "run.json", "scheduler.json",
     ]  # fmt: skip

@@ -28,7 +28,7 @@ decode's messages), ``sharding`` (stages sharded over their data-parallel group:
 
 from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.collectives import Collectives, RankCollectives, tie_name
-from gpipe.distributed.failure import PipelineError, collective, start_heartbeat
+from gpipe.distributed.failure import PipelineError, collective, start_heartbeat, watch_peers
 from gpipe.distributed.group import init_from_env
 from gpipe.distributed.sharding import StageSharding
 from gpipe.distributed.tensor_parallel import TpPlan
@@ -44,4 +44,5 @@ __all__ = [
     "init_from_env",
     "start_heartbeat",
     "tie_name",
+    "watch_peers",
 ]

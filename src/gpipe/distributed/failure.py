@@ -10,6 +10,12 @@ else the peers whose *heartbeat* stopped (every process bumps a counter in the s
 ``timeout / 20`` s, at most 0.5 s, from a thread of its own: a killed or stopped process stops
 bumping it). A step that succeeds runs none of this.
 
+A wait outside gpipe's bounded calls (a checkpoint's collectives, on a group with a long timeout,
+for a slow file system) is covered by :func:`watch_peers`: a thread that ends the process, naming the
+silent rank, once a peer's heartbeat has not moved for ``timeout`` seconds, since a blocked collective
+cannot be interrupted. ``gpipe train`` runs it for the whole run, so that every rank exits and
+torchrun's agent can restart the job.
+
 Rank 0 hosts the store (under ``env://``): when it is killed the store's connections close, and
 the others name it from that; when it is stopped, a TCPStore client would wait for its reply
 forever, so every store call of gpipe's is made by a thread of its own and given up after a bound
@@ -30,6 +36,7 @@ import atexit
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,10 +46,13 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["PipelineError", "collective", "start_heartbeat"]
+__all__ = ["PipelineError", "collective", "lost_ranks", "start_heartbeat", "watch_peers"]
 
-_FAILURE_KEY = "gpipe/failure"
-_ALIVE_KEY = "gpipe/alive/"
+# Under torchrun the agent's store outlives a worker group that it restarts: the keys of each group
+# (its restart count, and its world size, which changes without a restart when a node joins) are its own.
+_ATTEMPT = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('WORLD_SIZE', '1')}"
+_FAILURE_KEY = f"gpipe/{_ATTEMPT}/failure"
+_ALIVE_KEY = f"gpipe/{_ATTEMPT}/alive/"
 _LEFT = b"left"
 
 
@@ -112,14 +122,16 @@ def _bounded(store: Any, call: Callable[[Any], T], seconds: float) -> T:
 
 def _store_host(store: Any) -> int | None:
     """The rank whose process hosts ``store``, the default one: rank 0 under ``env://`` and
-    ``tcp://`` (torchrun's agent store lives in the agent instead)."""
+    ``tcp://``, and under torchrun with restarts (:mod:`gpipe.distributed.group`); torchrun's agent
+    store lives in the agent instead."""
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        return None
     while isinstance(store, PrefixStore):
         store = store.underlying_store
-    return 0 if isinstance(store, TCPStore) else None
+    if not isinstance(store, TCPStore):
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return None if agent and store.port == int(os.environ.get("MASTER_PORT", "-1")) else 0
 
 
 @dataclass(frozen=True)
@@ -319,6 +331,17 @@ def _silent_ranks(timed_out: bool) -> tuple[str, str] | None:
     return f"{who} {'is' if len(ranks) == 1 else 'are'} {state}", who
 
 
+def lost_ranks() -> str | None:
+    """Who the heartbeats say is lost (``"rank 1 is gone"``), read within three heartbeat intervals;
+    None when every rank beats or no heartbeat runs here. For a rank told to stop (torchrun's agent
+    stops the others when a worker fails) to say why."""
+    with contextlib.suppress(Exception):
+        silent = _silent_ranks(timed_out=False)
+        if silent is not None and silent[0]:
+            return silent[0]
+    return None
+
+
 def _timed_out(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
@@ -371,3 +394,74 @@ def _lost_in(operation: str, world: _World, ranks: list[int], exc: BaseException
         )
     _report_failure(world.store, f"{lost} (no heartbeat; rank {me} lost it in the {operation})")
     return f"{lost}: {where} (no heartbeat from {who}): {raw}"
+
+
+class _PeerWatch:
+    """The thread of :func:`watch_peers`."""
+
+    def __init__(self, timeout: float, on_lost: Callable[[str], None] | None) -> None:
+        self.timeout, self.on_lost = timeout, on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="gpipe-peer-watch")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while (beat := _heartbeat) is None or not beat._thread.is_alive():  # (until a pipeline starts it)
+            if self._stop.wait(0.5):
+                return
+        if beat.world.size < 2:
+            return
+        period = max(beat.interval, min(5.0, self.timeout / 10))
+        peers = [r for r in range(beat.world.size) if r != beat.rank]
+        last: dict[int, bytes | None] = {}
+        moved = dict.fromkeys(peers, time.monotonic())
+        answered = time.monotonic()
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            try:
+                beats = beat.read(peers)
+            except Exception as exc:  # the store's host is stopped or gone
+                if now - answered > self.timeout:
+                    self._lost(beat, _store_lost(beat.world, exc))
+                    return
+                continue
+            answered = now
+            for r in peers:
+                if beats[r] != last.get(r) or beats[r] in (None, _LEFT):  # (not started yet, or done)
+                    moved[r] = now
+            last = beats
+            silent = [r for r in peers if now - moved[r] > self.timeout]
+            if silent:
+                who = ", ".join(_rank(r) for r in silent)
+                self._lost(beat, f"{who} {'is' if len(silent) == 1 else 'are'} not responding (no heartbeat for "
+                                 f"{self.timeout:g} s)")  # fmt: skip
+                return
+
+    def _lost(self, beat: _Heartbeat, message: str) -> None:
+        if self._stop.is_set():
+            return
+        _report_failure(beat.store, f"{message} (rank {beat.rank} noticed it)")
+        with contextlib.suppress(Exception):
+            if self.on_lost is not None:
+                self.on_lost(message)
+        with contextlib.suppress(Exception):
+            print(f"error: {message}: rank {beat.rank} exits, so that the job can be restarted", flush=True,
+                  file=sys.stderr)  # fmt: skip
+        os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@contextmanager
+def watch_peers(timeout: float, on_lost: Callable[[str], None] | None = None) -> Iterator[None]:
+    """While the block runs, end this process (status 1) once another rank's heartbeat has not moved
+    for ``timeout`` seconds (stopped, or hung in a way that stops its threads), after recording the
+    failure in the store and calling ``on_lost(message)``. A rank that left (exited) or has not
+    started beating is not silent. The watch begins when the heartbeat does (a distributed
+    :class:`gpipe.Pipeline` starts it, perhaps inside the block); in one process it never does."""
+    watch = _PeerWatch(timeout, on_lost)
+    try:
+        yield
+    finally:
+        watch.stop()

@@ -4,6 +4,7 @@ and the training loop (steps, evaluations, metrics, checkpoints, Ctrl-C)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -16,13 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import Selective
 from gpipe.data import PAD, TranslationBatch, TranslationDataset
 from gpipe.data.base import ReplicaBatch
 from gpipe.data.loader import BatchError, StepLoader
-from gpipe.distributed import init_from_env
+from gpipe.distributed import PipelineError, init_from_env, watch_peers
+from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
 from gpipe.nonfinite import locate
@@ -33,6 +36,7 @@ from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import train_batch
+from gpipe.train.elastic import Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
@@ -50,16 +54,50 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     :func:`~gpipe.train.resume.resume_point`); a finished run says so and returns its last metrics.
     ``cfg.overwrite``: an earlier run's results in ``cfg.out`` are deleted first."""
     cfg.check()
+    out = Path(cfg.out)
+    restart = restart_of(cfg.out)  # torchrun restarted this job: it continues from its newest checkpoint
+    if restart is not None:
+        if (stop := restart.nonfinite()) is not None:  # (the same bad step again: no loop)
+            raise NonFiniteError(f"{stop['message']}; the job stopped there before torchrun restarted it, and the "
+                                 "restart does not train it again", stop.get("step") or 1)  # fmt: skip
+        # (no checkpoint yet: the job starts again, replacing what its lost attempt wrote)
+        cfg = dataclasses.replace(cfg, resume=restart.checkpoint is not None, overwrite=restart.checkpoint is None)
+        if int(os.environ.get("RANK", "0")) == 0:  # (the process group does not exist yet)
+            print(restart.describe(), file=sys.stderr)
     check_out(cfg)
     point = resume_point(cfg) if cfg.resume else None
-    if point is not None and process_rank() == 0:
+    if point is not None and process_rank() == 0 and restart is None:
         print(point.describe(cfg.out), file=sys.stderr)
     if point is not None and point.finished:
-        return _last_metrics(Path(cfg.out) / "metrics.jsonl")
-    with one_run(Path(cfg.out)):
-        if cfg.overwrite and process_rank() == 0 and (gone := delete_results(Path(cfg.out))):
+        return _last_metrics(out / "metrics.jsonl")
+    with one_run(out):
+        if cfg.overwrite and process_rank() == 0 and (gone := delete_results(out)) and restart is None:
             print(f"--overwrite: deleted the earlier run in {cfg.out!r} ({', '.join(gone)})", file=sys.stderr)
-        return _train(cfg)
+        watch = watch_peers(cfg.timeout, functools.partial(record_failure, out, "lost"))
+        try:
+            with watch if int(os.environ.get("WORLD_SIZE", "1")) > 1 else contextlib.nullcontext():
+                result = _train(cfg, restart)
+        except NonFiniteError as exc:
+            record_failure(out, "nonfinite", str(exc), exc.step)
+            raise
+        except BaseException as exc:  # (under torchrun, for the restart to say; the first record of a rank stays)
+            if not isinstance(exc, (SystemExit, ConfigError)):
+                record_failure(out, "lost", _why(exc))
+            raise
+        finished(out)
+        return result
+
+
+def _why(exc: BaseException) -> str:
+    """What a failure says about the job: a :class:`PipelineError` names the lost rank; another error is
+    told with the ranks the heartbeats find lost."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, PipelineError):
+        return text
+    lost = lost_ranks()
+    if isinstance(exc, KeyboardInterrupt):  # (SIGTERM under torchrun: its agent stops a group whose worker failed)
+        return f"{lost or 'no rank is lost'} (rank {process_rank()} was stopped by {text or 'SIGINT'})"
+    return f"{lost + ': ' if lost else ''}{type(exc).__name__}: {text}"
 
 
 def _last_metrics(path: Path) -> dict[str, Any]:
@@ -105,9 +143,13 @@ def one_run(out: Path) -> Iterator[None]:
         lock.close()  # closing releases the lock
 
 
-def _train(cfg: TrainConfig) -> dict[str, Any]:
+def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
     out = Path(cfg.out)
-    distributed = init_from_env()  # (before the data: rank 0 alone trains a vocabulary)
+    distributed = init_from_env(cfg.timeout)  # (before the data: rank 0 alone trains a vocabulary)
+    if distributed:  # every rank has decided whether it restarts the job: then rank 0 marks OUT as the job's
+        with collective("barrier after the start"):
+            dist.barrier()
+    start_job(out, restart)
     try:
         data = make_data(cfg)
     except ConfigError:
@@ -149,6 +191,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         tensor_parallel=cfg.tensor_parallel,
         init_seed=cfg.seed,
         cpu_threads=cfg.threads,
+        timeout=cfg.timeout,
     )
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
         command = "translate" if left == "BLEU" else "generate"
@@ -262,6 +305,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                     skips = {"skips": str(guard.skips)} if guard.skips else {}
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **skips, **shown)
                     bar.update(1)
+            if restart is not None and step == start and process_rank() == 0:
+                restart.log(time.time())  # (OUT/restarts.jsonl: the time from the failure to this step)
             if step % cfg.checkpoint_every == 0:
                 checkpoints.save(step, background=True)
     except BatchError as exc:  # bad data found mid-run (an image that cannot be read): one line, as a bad flag
@@ -276,10 +321,11 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         checkpoints.save(done)
         checkpoints.finish()
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (torchrun's agent stops the group when a worker failed)
         interrupts.restore()
         if bar is not None:
             bar.close()
+        record_failure(out, "lost", _why(exc))  # (before the save: with a rank lost it fails, or waits)
         checkpoints.save(done)
         checkpoints.finish()
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
