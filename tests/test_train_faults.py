@@ -136,3 +136,100 @@ def test_the_spike_tracker_skips_an_outlier_after_its_warmup() -> None:
     restored = SpikeTracker()
     restored.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
     assert restored.outlier(50.0) == tracker.outlier(50.0)
+
+
+# Restarts by torchrun's agent, their logic in one process: torchrun's environment (a run id, a restart
+# count) with a world of one. tests/test_restarts.py kills and stops real ranks under torchrun.
+
+
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """``job(n)``: the next runs are restart ``n`` of torchrun's job "job-1"."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    return lambda n: monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(n))
+
+
+def test_a_restarted_job_continues_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(
+    job: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_optimizer = loop.make_optimizer
+
+    def failing_at(call: int) -> Callable[..., Any]:
+        def make(cfg: Any, params: Any) -> Any:
+            optimizer = make_optimizer(cfg, params)
+            update, calls = optimizer.step, [0]
+
+            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == call:
+                    raise RuntimeError("a rank was lost")
+                return update(*args, **kwargs)
+
+            optimizer.step = types.MethodType(step, optimizer)
+            return optimizer
+
+        return make
+
+    out = str(tmp_path / "run")
+    job(0)
+    monkeypatch.setattr(loop, "make_optimizer", failing_at(5))
+    with pytest.raises(RuntimeError, match="a rank was lost"):
+        main(["train", *QUICK, "--out", out])
+    assert json.loads((tmp_path / "run" / ".job.json").read_text())["job"] == "job-1"
+    failure = json.loads((tmp_path / "run" / ".failures" / "rank-0.json").read_text())
+    assert (failure["kind"], failure["message"]) == ("lost", "RuntimeError: a rank was lost")
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]
+    capsys.readouterr()
+
+    job(1)  # the same command line, restarted: no --resume
+    monkeypatch.setattr(loop, "make_optimizer", make_optimizer)
+    assert main(["train", *QUICK, "--out", out]) == 0
+    said = capsys.readouterr().err
+    assert "torchrun restarted the job (restart 1): RuntimeError: a rank was lost; it continues from its checkpoint " \
+        "of step 4\n" in said  # fmt: skip
+    (logged,) = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    assert (logged["restart"], logged["resumed_from"], logged["steps_again"]) == (1, 4, 0)
+    assert logged["lost"] == "RuntimeError: a rank was lost" and logged["seconds"] > 0
+    assert not (tmp_path / "run" / ".job.json").exists()  # finished: no longer restartable
+    assert not (tmp_path / "run" / ".failures").exists()
+
+    job(0)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # the same run, uninterrupted, in one process
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["train", *QUICK, "--out", str(tmp_path / "ref")]) == 0
+
+    def strip(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if not k.endswith("_per_s")}
+
+    assert [strip(r) for r in rows(tmp_path / "run")] == [strip(r) for r in rows(tmp_path / "ref")]
+
+
+def test_a_new_job_into_a_used_out_is_still_refused(
+    job: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (out / ".job.json").write_text('{"job": "job-0"}\n')  # another job's
+    job(1)
+    assert main(["train", *QUICK, "--out", str(out)]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+
+
+def test_a_job_stopped_on_a_nan_is_not_trained_again_by_a_restart(
+    job: Callable[[int], None], poison: Callable[..., None], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    poison((4, 2))
+    out = tmp_path / "run"
+    job(0)
+    assert main(["train", *QUICK, "--out", str(out)]) == 3
+    capsys.readouterr()
+    before = (out / "metrics.jsonl").read_text()
+    job(1)
+    assert main(["train", *QUICK, "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "error: step 4: NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 2;" in err
+    assert "the job stopped there before torchrun restarted it, and the restart does not train it again" in err
+    assert (out / "metrics.jsonl").read_text() == before
