@@ -5,6 +5,7 @@ saves, a kill during one, and saves by several ranks."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
+import gpipe.saving
 import gpipe.saving.keys
 from gpipe import GPipe, Pipeline, load_checkpoint, save_checkpoint
 from gpipe.models import transformer
@@ -174,7 +176,9 @@ def test_other_optimizers_resume_bitwise(tmp_path: Path, make: Callable[..., tor
 def test_the_folder_is_a_dcp_checkpoint_keyed_by_global_names(saved_at_two: dict[str, Any]) -> None:
     step = saved_at_two["directory"] / "step-00000002"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json"]
-    assert json.loads((step / "manifest.json").read_text()) == {
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert sorted(manifest.pop("files")) == [".metadata", "__0_0.distcp"]  # (tests/test_saving_checksums.py)
+    assert manifest == {
         "format": "gpipe-dcp-1",
         "step": 2,
         "num_layers": 7,
@@ -272,6 +276,11 @@ def test_foreign_dcp_entries_are_named(tmp_path: Path) -> None:
         p.unlink()
     (step / ".metadata").unlink()
     dcp.save({"encoder.0.weight": torch.zeros(3)}, checkpoint_id=step, no_dist=True)
+    with pytest.raises(CheckpointError, match=r"\.metadata: truncated: \d+ of \d+ bytes"):
+        load_checkpoint(pipe, tmp_path)
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["files"]  # as a checkpoint saved before checksums
+    (step / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"\.metadata: holds 'encoder\.0\.weight', not an entry of a gpipe"):
         load_checkpoint(pipe, tmp_path)
 
@@ -482,7 +491,15 @@ def test_saved_by_two_ranks_with_adam_resumes_in_one_process(tmp_path: Path, asy
     )  # fmt: skip
     step = ckpt / "step-00000002"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
-    assert json.loads((step / "manifest.json").read_text())["optimizer"] == "torch.optim.adam.Adam"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["optimizer"] == "torch.optim.adam.Adam"
+    # Every rank's file, hashed by its rank as it wrote it, listed by rank 0 (DCP's index too).
+    assert manifest["files"] == {
+        p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+        for p in step.iterdir()
+        if p.name != "manifest.json"
+    }
+    assert gpipe.saving.verify(step) == []
     assert torch.equal(ranks[0]["next"], ranks[1]["next"])
     saved = {k: v for r in ranks for k, v in r["saved"].items()}
     after = {k: v for r in ranks for k, v in r["after"].items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -86,7 +87,11 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds 2 layers, the model has 3"):
         load_checkpoint(bigger, tmp_path)
     manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
+    files = manifest.pop("files")  # every file written, as sha256sum sees it
     assert manifest == {"format": "gpipe-dcp-1", "step": 1, "num_layers": 2, "optimizer": None}
+    written = {p.name: p.read_bytes() for p in (tmp_path / "step-00000001").iterdir() if p.name != "manifest.json"}
+    assert files == {name: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for name, b in written.items()}
+    assert sorted(files) == [".metadata", "__0_0.distcp"]
     with pytest.raises(TypeError, match=r"expected a gpipe\.Pipeline or gpipe\.GPipe"):
         save_checkpoint(nn.Linear(2, 2), tmp_path, 2)
 

@@ -387,29 +387,46 @@ def _empty(p: Path) -> None:
 
 
 UNREADABLE = r"unreadable \(truncated or corrupt\?\)"
-FILE_CASES: dict[str, tuple[str, Callable[[Path], object], str]] = {
-    "garbage data": ("__0_0.distcp", _garbage, UNREADABLE),
-    "truncated data": ("__0_0.distcp", _truncated, UNREADABLE),
-    "empty data": ("__0_0.distcp", _empty, UNREADABLE),
-    "deleted data": ("__0_0.distcp", Path.unlink, r"missing, though \S*step-00000001/\.metadata lists it"),
-    "garbage index": (".metadata", _garbage, UNREADABLE),
-    "truncated index": (".metadata", _truncated, UNREADABLE),
-    "empty index": (".metadata", _empty, UNREADABLE),
-    "deleted index": (".metadata", Path.unlink, r"missing, though \S*manifest\.json says the checkpoint is complete"),
+TRUNCATED = r"truncated: {} of \d+ bytes"
+# A file damaged, and what loading says: with the manifest's checksums (checked first), and without (a
+# checkpoint saved before them: what DCP's reader makes of the file).
+FILE_CASES: dict[str, tuple[str, Callable[[Path], object], str, str]] = {
+    "garbage data": ("__0_0.distcp", _garbage, TRUNCATED.format(3000), UNREADABLE),
+    "truncated data": ("__0_0.distcp", _truncated, TRUNCATED.format(r"\d+"), UNREADABLE),
+    "empty data": ("__0_0.distcp", _empty, TRUNCATED.format(0), UNREADABLE),
+    "deleted data": (
+        "__0_0.distcp",
+        Path.unlink,
+        r"missing, though \S*step-00000001/manifest\.json lists it",
+        r"missing, though \S*step-00000001/\.metadata lists it",
+    ),
+    "garbage index": (".metadata", _garbage, r"(truncated: 3000 of|3000 bytes, \d+ more than)", UNREADABLE),
+    "truncated index": (".metadata", _truncated, TRUNCATED.format(r"\d+"), UNREADABLE),
+    "empty index": (".metadata", _empty, TRUNCATED.format(0), UNREADABLE),
+    "deleted index": (
+        ".metadata",
+        Path.unlink,
+        *[r"missing, though \S*manifest\.json says the checkpoint is complete"] * 2,
+    ),
 }
 
 
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "before checksums"])
 @pytest.mark.parametrize("case", FILE_CASES)
-def test_a_corrupt_file_is_named(tmp_path: Path, case: str) -> None:
+def test_a_corrupt_file_is_named(tmp_path: Path, case: str, checksums: bool) -> None:
     pipe = pipe_of(mlp(0), [4, 4])
     save_checkpoint(pipe, tmp_path, 1)
-    name, corrupt, message = FILE_CASES[case]
+    manifest = tmp_path / "step-00000001" / "manifest.json"
+    if not checksums:  # as saved before them
+        manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "files"}))
+    name, corrupt, message, before_checksums = FILE_CASES[case]
     path = tmp_path / "step-00000001" / name
     corrupt(path)
     for balance in ([4, 4], [8]):
         fresh = pipe_of(mlp(1), balance)
         before = snapshot(fresh)
-        with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+        expected = message if checksums else before_checksums
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + expected):
             load_checkpoint(fresh, tmp_path)
         assert_holds(fresh, before)  # nothing changed
 

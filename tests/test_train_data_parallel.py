@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from gpipe.cli import main
 from gpipe.recipe import clip_grad_norm_per_parameter
+from gpipe.saving import verify
 from tests.dist_harness import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,10 @@ def test_replicas_train_as_one_and_resume_in_another_layout(
     step = out / "checkpoints" / "step-00000004"
     writers = range(4) if fsdp else range(2)  # every rank its shards; or replica 0's ranks, for all replicas
     assert sorted(p.name for p in step.glob("*.distcp")) == [f"__{r}_0.distcp" for r in writers]
+    # each writer's file hashed by its rank, all listed by rank 0's manifest with the extra files
+    files = json.loads((step / "manifest.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in step.iterdir() if p.name != "manifest.json")
+    assert verify(step) == []
     config = json.loads((step / "run.json").read_text())["config"]
     assert (config["partitions"], config["data_parallel"], config["fsdp"]) == (2, 2, fsdp)
 

@@ -16,7 +16,8 @@ Layout of a checkpoint directory::
         .metadata             DCP's index: every entry's key, dtype and shape, and where its bytes are
         __0_0.distcp          the entries of rank 0 (one data file per writing rank)
         __1_0.distcp
-        manifest.json         gpipe's: format, step, number of layers, optimizer class; written last
+        manifest.json         gpipe's: format, step, number of layers, optimizer class, and every
+                              file written with its size and SHA-256; written last
         run.json              files given by ``extra=``, if any (gpipe train: run.json, scheduler.json)
 
 The entries (DCP's keys)::
@@ -78,6 +79,17 @@ A rank that dies stops the others' save at once (its connections close), one tha
 30 minutes. :func:`load` is local: each process reads the entries of its own layers (and of its
 optimizer's parameters), with no collective.
 
+Checksums. The manifest lists every file the save wrote (``"files"``: each one's size and SHA-256,
+as ``sha256sum`` gives it). Each rank hashes its data file as DCP writes it, in a thread of its own
+that trails the writes (no second read; DCP's index too), and the small ``extra`` files once
+written; rank 0 gathers them all in the agreement before the commit. :func:`load` checks the files it reads before
+it reads them: under torch.distributed, each rank those that hold its own entries (with no
+collective: a load stays local). :func:`verify` checks every file of a checkpoint, in one process.
+A file of another size or another digest is a :class:`CheckpointError` naming it (``truncated: 1234
+of 5678 bytes``, ``corrupt: its sha256 differs from the manifest's``); a checkpoint saved before
+checksums lists none, and loads as before. ``gpipe train --resume`` falls back to the newest older
+checkpoint that loads, with a warning naming the damaged file.
+
 A full disk raises :class:`NoSpaceError` naming the file, and leaves no partial files; a corrupt or
 incomplete checkpoint, or one of another model's shape, raises :class:`CheckpointError` naming the
 file (and the layer) and what is wrong; loading checks everything before it changes the model or
@@ -89,6 +101,7 @@ front ends), never the applications (train, data, models, ...).
 """
 
 from gpipe.saving.asynchronous import AsyncSave
+from gpipe.saving.checksums import verify
 from gpipe.saving.folders import CheckpointError, NoSpaceError, latest, prune, write_atomically
 from gpipe.saving.keys import layer_state
 from gpipe.saving.loader import load
@@ -105,5 +118,6 @@ __all__ = [
     "load_module",
     "prune",
     "save",
+    "verify",
     "write_atomically",
 ]

@@ -1,5 +1,6 @@
 """torch.distributed.checkpoint's reader and writer as gpipe uses them (naming the file that could
-not be read or written), and its save (a collective of every rank) and load (local)."""
+not be read or written; the writer taking each file's checksum as it writes it), and its save (a
+collective of every rank) and load (local)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from gpipe.saving.checksums import _Hashing
 from gpipe.saving.collective import _failed_on, _report
 from gpipe.saving.folders import METADATA, CheckpointError, _clear_errors
 
@@ -25,21 +27,46 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
-__all__ = ["_brief", "_dcp_io", "_dcp_load", "_dcp_save"]
+__all__ = ["Digests", "_brief", "_dcp_io", "_dcp_load", "_dcp_save"]
 
 # DCP, imported at the first save or load (it takes most of a second).
 
 
+Digests = dict[str, tuple[str, int]]  # a file's name: (its hex digest, its bytes)
+
+
 @functools.cache
-def _dcp_io() -> tuple[Callable[[Path], FileSystemWriter], Callable[[Path, Metadata | None], FileSystemReader]]:
+def _dcp_io() -> tuple[
+    Callable[[Path, Digests], FileSystemWriter], Callable[[Path, Metadata | None], FileSystemReader]
+]:
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
     from torch.futures import Future
 
     class WritingFiles(FileSystem):
+        """Files written through a hash (``into``: each file's digest, once written, by its name;
+        DCP's index, written under a temporary name then renamed, under its own)."""
+
+        def __init__(self, into: Digests) -> None:
+            super().__init__()
+            self.into = into
+
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
             with _clear_errors(Path(path)), super().create_stream(path, mode) as stream:
-                yield stream
+                if mode != "wb":
+                    yield stream
+                    return
+                hashing = _Hashing(stream)
+                try:
+                    yield hashing
+                    self.into[Path(path).name] = hashing.digest()
+                finally:
+                    hashing.drop()
+
+        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+            super().rename(path, new_path)
+            if (digest := self.into.pop(Path(path).name, None)) is not None:
+                self.into[Path(new_path).name] = digest
 
     class ReadingFiles(FileSystem):
         @contextlib.contextmanager
@@ -58,9 +85,9 @@ def _dcp_io() -> tuple[Callable[[Path], FileSystemWriter], Callable[[Path, Metad
     class Writer(FileSystemWriter):
         """DCP's writer: one file per rank, synced; a full disk named; no file for a rank with nothing."""
 
-        def __init__(self, path: Path) -> None:
+        def __init__(self, path: Path, into: Digests) -> None:
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-            self.fs = WritingFiles()
+            self.fs = WritingFiles(into)
 
         def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
             if not plan.items:  # a data-parallel replica but the first: nothing to write
@@ -98,8 +125,9 @@ def _brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
-def _dcp_save(entries: dict[str, Any], staging: Path, group: Any) -> None:
-    """DCP's save of every rank's ``entries`` into ``staging`` (a collective of ``group``); raises the
+def _dcp_save(entries: dict[str, Any], staging: Path, group: Any) -> Digests:
+    """DCP's save of every rank's ``entries`` into ``staging`` (a collective of ``group``); returns
+    the digests of the files this rank wrote (its data file; rank 0 DCP's index too). Raises the
     same failure on every rank: the failing rank its own error, the others one naming it."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -107,10 +135,11 @@ def _dcp_save(entries: dict[str, Any], staging: Path, group: Any) -> None:
 
     writer, _ = _dcp_io()
     _quiet()
+    digests: Digests = {}
     try:
         dcp_save(
             entries,
-            storage_writer=writer(staging),
+            storage_writer=writer(staging, digests),
             # the keys as given: a value that is not a tensor (a group's hyper-parameters) is one entry
             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             process_group=group,
@@ -123,6 +152,7 @@ def _dcp_save(entries: dict[str, Any], staging: Path, group: Any) -> None:
             raise failures[rank][0]  # noqa: B904 - its own cause (the file's error, say)
         first = min(failures)
         raise _failed_on(first, _report(failures[first][0])) from e
+    return digests
 
 
 def _dcp_load(template: dict[str, Any], target: Path, metadata: Metadata) -> None:

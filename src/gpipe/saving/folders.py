@@ -314,11 +314,13 @@ def _newest_complete(root: Path, why: str) -> Path | None:
     return found
 
 
-def prune(directory: str | os.PathLike[str], keep: int) -> list[str]:
+def prune(directory: str | os.PathLike[str], keep: int, *, spare: str | os.PathLike[str] | None = None) -> list[str]:
     """Delete the complete ``step-*`` checkpoints of ``directory`` but the newest ``keep`` (by step),
-    never the one ``latest`` names (nor the folder a save has put aside), and nothing a save is
-    still writing (an incomplete folder is neither counted nor deleted); returns the names deleted,
-    oldest first. Call it where no save is under way in ``directory``."""
+    never the one ``latest`` names (nor the folder a save has put aside), nor ``spare`` (a
+    checkpoint folder of ``directory``: the one a run resumed from, say, when ``latest`` names
+    another), and nothing a save is still writing (an incomplete folder is neither counted nor
+    deleted); returns the names deleted, oldest first. Call it where no save is under way in
+    ``directory``."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive number of checkpoints (keep: {keep!r})")
     root = Path(directory)
@@ -326,8 +328,9 @@ def prune(directory: str | os.PathLike[str], keep: int) -> list[str]:
     steps.sort(key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
     newest = latest(root)
     deleted = []
+    kept = {p.name for p in (newest, None if spare is None else Path(spare)) if p is not None}
     for folder in reversed(steps[keep:]):
-        if newest is not None and folder.name == newest.name:
+        if folder.name in kept:
             continue
         _remove(folder)
         deleted.append(folder.name)

@@ -4,7 +4,7 @@ the model's layers and the optimizer's parameters, before anything is changed.""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from gpipe.saving.checksums import _check, _listed
 from gpipe.saving.dcp import _brief, _dcp_io, _dcp_load
 from gpipe.saving.folders import MANIFEST, METADATA, CheckpointError, _checkpoint_folder, _read_manifest
 from gpipe.saving.keys import GROUPS, MODEL, STATE, _engine, _layers, _optimizer_kind, _optimizer_params
@@ -19,16 +20,19 @@ from gpipe.saving.keys import GROUPS, MODEL, STATE, _engine, _layers, _optimizer
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["_read_metadata", "_shape", "_template", "load"]
+__all__ = ["_check_reads", "_read_metadata", "_shape", "_template", "load"]
 
 
-def _read_metadata(target: Path, num_layers: int) -> tuple[Metadata, dict[str, Path]]:
-    """DCP's index of checkpoint ``target``, checked, and the data file of each entry."""
+def _read_metadata(target: Path, manifest: Mapping[str, Any]) -> tuple[Metadata, dict[str, Path]]:
+    """DCP's index of checkpoint ``target``, checked (against its checksum first, if the manifest
+    lists one), and the data file of each entry."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    num_layers = manifest["num_layers"]
     path = target / METADATA
     if not path.is_file():
         raise CheckpointError(f"{path}: missing, though {target / MANIFEST} says the checkpoint is complete")
+    _check(target, manifest, [METADATA])
     _, reader = _dcp_io()
     try:
         metadata = reader(target, None).read_metadata()
@@ -56,6 +60,22 @@ def _read_metadata(target: Path, num_layers: int) -> tuple[Metadata, dict[str, P
             )
         files.setdefault(getattr(index, "fqn", ""), target / name)
     return metadata, files
+
+
+def _check_reads(target: Path, manifest: Mapping[str, Any], metadata: Metadata, keys: Iterable[str]) -> None:
+    """Check, against the manifest's checksums, the files this process is about to read: the data
+    files that hold the entries ``keys`` and the small files beside them (``extra``'s), DCP's index
+    being checked already. Not the data files of other ranks' entries: under torch.distributed each
+    rank checks the files it reads, so that a load stays local (no collective: a rank may load
+    alone), the stages' ranks share the work (each reads its own layers' files), and each file is
+    read just before DCP reads it again, from the page cache. Data-parallel replicas check the same
+    files. :func:`verify` checks them all."""
+    wanted = set(keys)
+    storage = (metadata.storage_data or {}).items()
+    data = {getattr(where, "relative_path", None) for _, where in storage}
+    read = {getattr(where, "relative_path", "") for index, where in storage if getattr(index, "fqn", None) in wanted}
+    listing = _listed(manifest, target / MANIFEST) or {}
+    _check(target, manifest, read | {name for name in listing if name not in data and name != METADATA})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -179,7 +199,12 @@ def load(
 
     Raises :class:`CheckpointError` (a ValueError) naming the file, and the layer, where the
     checkpoint is corrupt, incomplete or of another shape than the model, or lacks the optimizer
-    state asked for; nothing is changed then."""
+    state asked for; nothing is changed then. The files it reads are first checked against the
+    sizes and checksums the manifest lists (a checkpoint saved before checksums lists none: it loads
+    as before): a file of another size or digest raises :class:`CheckpointError` naming it
+    (``.../__1_0.distcp: truncated: 1234 of 5678 bytes``, ``...: corrupt: its sha256 differs from
+    the manifest's``). Under torch.distributed each process checks the files it reads (DCP's index,
+    the data files of its layers, the small files beside them), with no collective."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if grow_rows and optimizer is not None:
@@ -202,7 +227,7 @@ def load(
             )
         if saved_kind != kind:
             raise CheckpointError(f"checkpoint {str(target)!r} holds the state of a {saved_kind}, not of a {kind}")
-    metadata, files = _read_metadata(target, num_layers)
+    metadata, files = _read_metadata(target, manifest)
     saved = metadata.state_dict_metadata
     template: dict[str, Any] = {}
     grown: dict[str, Tensor] = {}  # entries saved with fewer rows, by key: the model's tensor
@@ -246,6 +271,7 @@ def load(
     plan = None if optimizer is None else _OptimizerLoad(model, optimizer, metadata, target)
     if plan is not None:
         template.update(plan.template)
+    _check_reads(target, manifest, metadata, template)
     _dcp_load(template, target, metadata)
     if plan is not None and optimizer is not None:  # first: the likelier to refuse what it is given
         optimizer.load_state_dict(plan.state_dict(template))

@@ -11,7 +11,7 @@ from torch import nn
 from gpipe.saving.dcp import _dcp_load
 from gpipe.saving.folders import MANIFEST, CheckpointError, _checkpoint_folder, _read_manifest
 from gpipe.saving.keys import MODEL
-from gpipe.saving.loader import _read_metadata, _shape, _template
+from gpipe.saving.loader import _check_reads, _read_metadata, _shape, _template
 
 __all__ = ["load_module"]
 
@@ -25,12 +25,13 @@ def load_module(module: nn.Module, directory: str | os.PathLike[str]) -> int:
     ``transformer.h.2.attn.c_attn.weight``; a tied parameter, held by two layers, is both of its
     names). Every entry of the module must be in the checkpoint and every model entry of the
     checkpoint in the module, with its shape: else :class:`CheckpointError`, naming them, and the
-    module is left unchanged. The optimizer's state is not read."""
+    module is left unchanged. The optimizer's state is not read. The files read are first checked
+    against the manifest's checksums, as :func:`~gpipe.saving.load` does."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     target = _checkpoint_folder(directory)
     manifest = _read_manifest(target / MANIFEST)
-    metadata, _ = _read_metadata(target, manifest["num_layers"])
+    metadata, _ = _read_metadata(target, manifest)
     saved = {key[len(MODEL) :]: md for key, md in metadata.state_dict_metadata.items() if key.startswith(MODEL)}
     expected = module.state_dict()
     if isinstance(module, nn.Sequential) and set(saved) == set(expected):
@@ -58,6 +59,7 @@ def load_module(module: nn.Module, directory: str | os.PathLike[str]) -> int:
                     f"{_shape(value)}"
                 )
             template[MODEL + key] = _template(md)
+    _check_reads(target, manifest, metadata, template)
     _dcp_load(template, target, metadata)
     state = {}
     for name, keys in sources.items():

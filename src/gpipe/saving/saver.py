@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.saving.asynchronous import AsyncSave, _stage, _under_way, _wait_for_the_last_save
+from gpipe.saving.checksums import ALGORITHM, FILES, _digest
 from gpipe.saving.collective import _agree, _group, _run
 from gpipe.saving.dcp import _dcp_save
 from gpipe.saving.folders import _commit, _owned, _prepare, _remove, write_atomically
@@ -75,7 +76,11 @@ def save(
     into the new folder, before this function returns, so that they appear with the state at once.
     Without ``extra``, the files of an earlier folder of this step that are not the checkpoint's own
     are carried over. A save waits for an asynchronous one under way first (and raises its error if
-    no one has seen it)."""
+    no one has seen it).
+
+    The manifest lists every file the save wrote with its size and SHA-256 (``"files"``), which
+    :func:`load` and :func:`verify` check: each rank hashes its data file as it writes it (no second
+    read), the small files (DCP's index, ``extra``'s) once written; rank 0 gathers them all."""
     _wait_for_the_last_save()
     engine = _engine(model)
     group = _group(model)
@@ -113,15 +118,19 @@ def save(
 
     def write_and_commit() -> None:
         try:
-            _dcp_save(staged, staging, group)
+            written = _dcp_save(staged, staging, group)
+            # This rank's extra files, hashed once every rank is past the write (small: read once).
+            hashed, error = _run(lambda: written | {name: _digest(staging / name) for name in extra})
+            listed = _agree(group, hashed, error)
         except BaseException:
-            if leader:  # every rank is past the write: DCP told them all
+            if leader:  # every rank is past the write: DCP (or the agreement) told them all
                 _remove(staging)
             raise
+        files = {name: {ALGORITHM: digest, "bytes": size} for each in listed for name, (digest, size) in each.items()}
 
         def commit() -> None:
             try:
-                _commit(root, target, staging, manifest)
+                _commit(root, target, staging, manifest | {FILES: dict(sorted(files.items()))})
             except BaseException:
                 _remove(staging)
                 raise
