@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -684,11 +685,12 @@ def generator_unet() -> nn.Sequential:
 
 
 def train_and_save_with_optimizer(
-    directory: str, steps: int, asynchronous: bool = False, dp: int = 1
+    directory: str, steps: int, asynchronous: bool = False, dp: int = 1, damaged: str = ""
 ) -> dict[str, Any]:
     """Adam for ``steps`` steps, save with its state (``asynchronous``: in the background, while the
     next step runs), then one more step: its loss, and this rank's layers after it, are what a run
-    resumed from the checkpoint must get."""
+    resumed from the checkpoint must get. ``damaged``: then load a damaged copy there
+    (:func:`load_a_damaged_copy`)."""
     from gpipe.saving import layer_state
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -705,7 +707,42 @@ def train_and_save_with_optimizer(
         save_checkpoint(pipe, directory, steps, optimizer=optimizer)
         next_loss = _steps(pipe, optimizer, 1)[0]
     after = {k: v.clone() for k, v in layer_state(pipe).items()}
-    return {"saved": saved, "next": next_loss, "after": after, "dp_rank": pipe.dp_rank}
+    out = {"saved": saved, "next": next_loss, "after": after, "dp_rank": pipe.dp_rank}
+    if damaged:
+        out |= load_a_damaged_copy(Path(directory) / f"step-{steps:08d}", Path(damaged), pipe, optimizer)
+    return out
+
+
+def load_a_damaged_copy(step: Path, damaged: Path, pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
+    """Rank 0 copies checkpoint ``step`` into ``damaged`` and flips a bit of rank 1's data file; every
+    rank loads the copy (checking the files it reads: rank 0 does not read that one) and the ranks
+    agree on the outcome, as ``gpipe train --resume`` does: this rank's error, the agreed one."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from gpipe.saving import CheckpointError
+    from gpipe.train.checkpoints import _agreed, _ranks
+
+    copy = damaged / step.name
+    if dist.get_rank() == 0:
+        shutil.copytree(step, copy)
+        data = bytearray((copy / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 1
+        (copy / "__1_0.distcp").write_bytes(bytes(data))
+    dist.barrier()
+    own: list[str] = []
+
+    def load() -> None:
+        try:
+            load_checkpoint(pipe, copy, optimizer=optimizer)
+        except CheckpointError as exc:
+            own.append(str(exc))
+            raise
+
+    with _ranks() as gather:
+        agreed = _agreed(gather, copy.name, load)
+    return {"own": own, "agreed": agreed}
 
 
 def load_with_optimizer_and_step(directory: str, workers: int = 0) -> dict[str, Any]:

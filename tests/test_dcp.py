@@ -487,7 +487,7 @@ def test_saved_by_two_ranks_with_adam_resumes_in_one_process(tmp_path: Path, asy
     ckpt = tmp_path / "ckpt"
     ranks = run_ranks(
         "train_and_save_with_optimizer", 2, tmp_path / "a", timeout=120, directory=str(ckpt), steps=2,
-        asynchronous=asynchronous,
+        asynchronous=asynchronous, damaged=str(tmp_path / "damaged"),
     )  # fmt: skip
     step = ckpt / "step-00000002"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
@@ -500,6 +500,12 @@ def test_saved_by_two_ranks_with_adam_resumes_in_one_process(tmp_path: Path, asy
         if p.name != "manifest.json"
     }
     assert gpipe.saving.verify(step) == []
+    # Rank 1's file damaged: rank 0 does not read it (nor check it), rank 1 names it; both pass it over.
+    bad = tmp_path / "damaged" / step.name / "__1_0.distcp"
+    said = f"{bad}: corrupt: its sha256 differs from the manifest's"
+    assert [r["own"] for r in ranks] == [[], [said]]
+    assert [r["agreed"] for r in ranks] == [said, said]
+    assert gpipe.saving.verify(bad.parent) == [said]
     assert torch.equal(ranks[0]["next"], ranks[1]["next"])
     saved = {k: v for r in ranks for k, v in r["saved"].items()}
     after = {k: v for r in ranks for k, v in r["after"].items()}

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gpipe.train import TrainConfig, main, one_run, train
+from gpipe.saving import verify
+from gpipe.train import ConfigError, TrainConfig, main, one_run, train
 
 SMALL = {"steps": 6, "batch": 8, "chunks": 2, "dim": 32, "hidden": 64, "heads": 2, "layers": 1,
          "eval_every": 100, "checkpoint_every": 100, "progress": False}  # fmt: skip
@@ -66,6 +67,50 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path: Path, uninterrupt
         f.write('{"step": 4, "lo')  # a crash while the next line was written
     train(TrainConfig(out=str(tmp_path), resume=True, **SMALL))
     assert losses(tmp_path) == uninterrupted
+
+
+def _flip(path: Path) -> bytes:
+    """Flip a bit in the middle of the file; returns what it held."""
+    before = path.read_bytes()
+    data = bytearray(before)
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return before
+
+
+def test_resume_passes_a_damaged_checkpoint_over_for_the_one_before(
+    tmp_path: Path, uninterrupted: dict[int, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bit flipped in the last checkpoint's data file: the run is not finished; --resume names the
+    file, resumes from the checkpoint before and gives the uninterrupted run's losses; --keep 1
+    does not delete the checkpoint it resumed from."""
+    every = {**SMALL, "checkpoint_every": 2}
+    train(TrainConfig(out=str(tmp_path), **{**every, "steps": 4}))
+    checkpoints = tmp_path / "checkpoints"
+    bad = checkpoints / "step-00000004" / "__0_0.distcp"
+    _flip(bad)
+    # None intact: refused, naming each, and nothing changed.
+    older = _flip(checkpoints / "step-00000002" / ".metadata")
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"--resume: no checkpoint in .* loads \(step-00000004: .*__0_0\.distcp: "
+                       r"corrupt: .*; step-00000002: .*\.metadata: corrupt: its sha256 differs"):  # fmt: skip
+        train(TrainConfig(out=str(tmp_path), resume=True, **{**every, "steps": 4}))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    (checkpoints / "step-00000002" / ".metadata").write_bytes(older)
+    capsys.readouterr()
+    train(TrainConfig(out=str(tmp_path), resume=True, keep=1, **{**every, "steps": 4}))
+    err = capsys.readouterr().err
+    assert (
+        f"warning: checkpoint step-00000004 is damaged ({bad}: corrupt: its sha256 differs from the manifest's); "
+        "resuming from step-00000002 instead\n"
+    ) in err, err
+    assert losses(tmp_path) == {step: loss for step, loss in uninterrupted.items() if step <= 4}
+    # step 4 saved again, over the damaged one; step 2 kept whatever --keep
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert verify(checkpoints / "step-00000004") == []
+    train(TrainConfig(out=str(tmp_path), resume=True, keep=1, **every))  # from step 4, intact: as before
+    assert losses(tmp_path) == uninterrupted
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000006"]
 
 
 def test_second_run_on_a_live_out_is_refused_naming_the_first(

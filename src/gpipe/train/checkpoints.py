@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import re
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
 from gpipe.data.prepared import PreparedCorpus, PreparedText
@@ -27,6 +33,8 @@ __all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
 
 RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
 SCHEDULER = "scheduler.json"  # in every checkpoint: the learning-rate schedule's state
+MANIFEST = "manifest.json"  # what makes a checkpoint's folder complete
+_STEP = re.compile(r"step-(\d{8,})")
 
 
 class Checkpoints:
@@ -46,6 +54,7 @@ class Checkpoints:
         self.saved = 0  # the step of the newest save started
         self.config: str | None = None  # --model hf: the config the model was built from
         self.lora: str | None = None  # --lora: the adapters' lora.json (set by the loop)
+        self.spare: Path | None = None  # the checkpoint resumed from past damaged newer ones: never pruned
         self.guard: Callable[[], str] | None = None  # the bad-step guard's state, for guard.json (set by the loop)
         if cfg.model == "hf" and isinstance(data, TokenDataset):
             self.config = hf.config_json(hf_config(cfg, data), keep_dtype=bool(cfg.init))
@@ -99,23 +108,97 @@ class Checkpoints:
 
     def _prune(self) -> None:
         """``--keep N``: rank 0 deletes the complete checkpoints but the newest N (never the one
-        ``latest`` names: the newest complete one, which a resumed run started from or succeeded)."""
+        ``latest`` names: the newest complete one, which a resumed run started from or succeeded;
+        nor the one a resumed run fell back to, past damaged newer ones)."""
         if self.cfg.keep and process_rank() == 0:
-            prune(self.root, self.cfg.keep)
+            prune(self.root, self.cfg.keep, spare=self.spare)
 
     def resume(self) -> int:
         """Load the newest checkpoint into the pipeline, the optimizer and the schedule; returns the
-        first step to run."""
+        first step to run. A damaged one (a file that fails the checksum the manifest lists, or
+        any other :class:`CheckpointError` of its load) is passed over for the newest older one,
+        with a warning naming the file; under torch.distributed every rank loads the same one (the
+        ranks agree after each: one rank's damaged file passes it over for all). If none loads,
+        :class:`ConfigError` names them. A checkpoint resumed from past damaged newer ones is never
+        deleted by ``--keep`` (:meth:`_prune`): the damaged ones count among the newest N."""
         found = latest(self.root)
         if found is None:
             raise ConfigError(f"--resume: no checkpoint in {str(self.root)!r}")
-        step = load(self.pipe, found, optimizer=self.optimizer)
+        damaged: list[tuple[str, str]] = []
+        with _ranks() as gather:
+            for folder in [found, *_older(self.root, found)]:
+                problem = _agreed(gather, folder.name, functools.partial(self._load, folder))
+                if problem is None:
+                    break
+                damaged.append((folder.name, problem))
+            else:
+                said = "; ".join(f"{name}: {problem}" for name, problem in damaged)
+                raise ConfigError(f"--resume: no checkpoint in {str(self.root)!r} loads ({said})")
+        if damaged and process_rank() == 0:
+            for name, problem in damaged:
+                print(f"warning: checkpoint {name} is damaged ({problem}); resuming from {folder.name} instead",
+                      file=sys.stderr)  # fmt: skip
+        self.spare = folder if damaged else None
+        return self.saved + 1
+
+    def _load(self, folder: Path) -> None:
+        step = load(self.pipe, folder, optimizer=self.optimizer)
         try:
-            self.scheduler.load_state_dict(json.loads((found / SCHEDULER).read_text()))
+            self.scheduler.load_state_dict(json.loads((folder / SCHEDULER).read_text()))
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{str(found / SCHEDULER)!r}: the learning-rate schedule's state: {exc}") from None
+            raise CheckpointError(f"{str(folder / SCHEDULER)!r}: the learning-rate schedule's state: {exc}") from None
         self.saved = step
-        return step + 1
+
+
+def _older(root: Path, found: Path) -> list[Path]:
+    """The complete checkpoints of ``root`` before ``found``'s step, newest first."""
+    steps = {int(m[1]): p for p in root.glob("step-*") if (m := _STEP.fullmatch(p.name)) and (p / MANIFEST).is_file()}
+    before = int(m[1]) if (m := _STEP.search(found.name)) else 0
+    return [steps[step] for step in sorted(steps, reverse=True) if step < before]
+
+
+@contextlib.contextmanager
+def _ranks() -> Iterator[Callable[[Any], list[Any]]]:
+    """A gather of a value from every rank (in one process, a list of one), over a gloo group of
+    its own: the default one may be NCCL's, and a rank's load may outlast its timeout."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield lambda value: [value]
+        return
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+
+    def gather(value: Any) -> list[Any]:
+        found: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, value, group=group)
+        return found
+
+    try:
+        yield gather
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _agreed(gather: Callable[[Any], list[Any]], name: str, load: Callable[[], None]) -> str | None:
+    """Every rank's ``load()`` of checkpoint ``name``: None where all loaded it, else what the first
+    rank that could not says (its :class:`CheckpointError`). Another error is raised on every rank."""
+    problem: str | None = None
+    error: Exception | None = None
+    try:
+        load()
+    except CheckpointError as exc:
+        problem = str(exc)
+    except Exception as exc:  # told to the other ranks, which would wait for this one's answer
+        error = exc
+    outcomes = gather((name, problem, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    for rank, (seen, _, failed) in enumerate(outcomes):
+        if failed is not None:
+            raise RuntimeError(f"--resume: rank {rank} failed to load {seen}: {failed}")
+        if seen != name:
+            raise ConfigError(
+                f"--resume: rank {rank} loads {seen}, rank {process_rank()} {name}: do they share the folder?"
+            )
+    return next((problem for _, problem, _ in outcomes if problem is not None), None)
 
 
 def truncate_metrics(path: Path, start: int) -> None:

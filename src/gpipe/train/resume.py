@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from gpipe.saving import verify
 from gpipe.train.checks import flag, typed
 from gpipe.train.config import ConfigError, TrainConfig, checkpoint_to_resume, newest_checkpoint
 
@@ -159,7 +160,9 @@ def _same(name: str, saved: Any, now: Any) -> bool:
 
 def resume_point(cfg: TrainConfig) -> ResumePoint:
     """Check ``cfg`` (with ``resume`` set) against its run's newest checkpoint: a setting of
-    :data:`FIXED` that differs, or ``--steps`` below the checkpoint's step, is a :class:`ConfigError`."""
+    :data:`FIXED` that differs, or ``--steps`` below the checkpoint's step, is a :class:`ConfigError`.
+    The run is finished if that checkpoint is of step ``--steps`` and intact (its files checked
+    against their checksums; a damaged one is passed over when the run resumes)."""
     found = checkpoint_to_resume(cfg.out)
     step = int(m.group(1)) if (m := re.search(r"step-(\d+)", found.name)) else 0
     saved = saved_settings(found)
@@ -180,4 +183,5 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
             f"--resume: --steps {cfg.steps} is before the checkpoint's step {step} ({found}); give --steps above "
             f"{step} to train on, or leave --steps out to take the run's ({saved.get('steps', cfg.steps)})"
         )
-    return ResumePoint(found, step, tuple(changed), finished=cfg.steps == step)
+    # A run whose last checkpoint is damaged is not finished: it trains again from the one before.
+    return ResumePoint(found, step, tuple(changed), finished=cfg.steps == step and not verify(found))
