@@ -1,7 +1,7 @@
 """The checks of one setting of ``gpipe train`` on its own, shared by the flags, a ``--config`` file and
 a resumed run's ``run.json``: the errors (:class:`ConfigError`, :class:`ConfigTypeError`), a value's
-type (:func:`typed`), the ranges of numbers (:data:`RANGES`), a setting's flag (:func:`flag`) and the
-checkpoint ``--resume`` continues from (:func:`checkpoint_to_resume`).
+type (:func:`typed`), the ranges of numbers (:data:`RANGES`), a setting's flag (:func:`flag`), the
+paths (:func:`check_paths`) and the checkpoint ``--resume`` continues from (:func:`checkpoint_to_resume`).
 :class:`~gpipe.train.config.TrainConfig` checks the settings together."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ __all__ = [
     "ROWS",
     "ConfigError",
     "ConfigTypeError",
+    "check_paths",
     "checkpoint_to_resume",
     "data_flags_error",
     "flag",
@@ -148,3 +149,44 @@ def checkpoint_to_resume(out: str | Path) -> Path:
             "or give the --out of the run to continue"
         )
     return found
+
+
+def check_paths(cfg: Any) -> None:
+    """Refuse the paths of ``cfg`` (a ``TrainConfig``) that cannot work: ``--data``, ``--vocab``, ``--out``
+    and ``--resume``'s checkpoint."""
+    if cfg.data and not Path(cfg.data).exists():
+        raise ConfigError(
+            f"cannot read the data file {cfg.data!r}: there is no such file or folder "
+            "(leave --data out for synthetic data)"
+        )
+    if cfg.model == "hf" and cfg.data and Path(cfg.data).is_dir() and not cfg.prepared:
+        raise ConfigError(
+            f"--model hf reads one file (--data {cfg.data!r} is a folder); a folder of language pairs trains "
+            "the encoder-decoder transformer: leave --model out"
+        )
+    if cfg.vocab and not cfg.parallel_folder:
+        raise ConfigError(
+            f"--vocab {cfg.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
+            "leave --vocab out"
+        )
+    if (cfg.vocab or cfg.tokenizer) and cfg.prepared:
+        name = "vocab" if cfg.vocab else "tokenizer"
+        raise ConfigError(
+            f"--data {cfg.data!r} is prepared data, with its own vocabulary; leave --{name} out (gpipe prepare "
+            f"--{name} chooses it)"
+        )
+    if cfg.vocab and not Path(cfg.vocab).is_file():
+        raise ConfigError(
+            f"--vocab {cfg.vocab!r}: no such file; give a SentencePiece .model (gpipe vocab makes one), or "
+            "leave --vocab out to train one on the data"
+        )
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {cfg.out!r} is a file; name a directory (it is created if missing)")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"--out {cfg.out!r} is inside {str(above)!r}, which is a file; name a directory")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in OUT, --overwrite deletes it: give one of them")
+    if cfg.resume:
+        checkpoint_to_resume(out)

@@ -22,6 +22,7 @@ from gpipe.train.checks import (
     RANGES,
     ConfigError,
     ConfigTypeError,
+    check_paths,
     checkpoint_to_resume,
     data_flags_error,
     flag,
@@ -132,7 +133,8 @@ class TrainConfig:
         default=1,
         metadata={
             "help": "D: replicas of the pipeline under torchrun (D x K processes), each training on 1/D of every "
-            "mini-batch, their gradients summed: the losses of D=1"
+            "mini-batch, their gradients summed: the losses of D=1; 0: as many as torchrun's processes make "
+            "(derived again when an elastic job restarts on fewer nodes)"
         },
     )
     fsdp: bool = field(
@@ -295,6 +297,13 @@ class TrainConfig:
         },
     )
 
+    def __post_init__(self) -> None:
+        if self.data_parallel == 0 and isinstance(self.partitions, int) and isinstance(self.tensor_parallel, int):
+            world = int(os.environ.get("WORLD_SIZE", "1"))  # --data-parallel 0: the replicas the world holds
+            per_replica = max(self.partitions, 1) * max(self.tensor_parallel, 1)
+            if world % per_replica == 0:
+                self.data_parallel = max(world // per_replica, 1)
+
     @property
     def virtual(self) -> int:
         """Stages per worker: two in the V schedules (zb-v, dualpipev), else one."""
@@ -328,6 +337,12 @@ class TrainConfig:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.data_parallel == 0:
+            raise ConfigError(
+                f"--data-parallel 0 takes as many replicas as torchrun's {os.environ.get('WORLD_SIZE', '1')} processes "
+                f"hold, but they are not a multiple of --partitions {self.partitions} x --tensor-parallel "
+                f"{self.tensor_parallel}; start torchrun with a multiple, or give --data-parallel"
+            )
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
                     "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_every",
                     "eval_batches", "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
@@ -371,7 +386,7 @@ class TrainConfig:
                              batch=self.batch, world=world, tensor_parallel=self.tensor_parallel)  # fmt: skip
         if error is not None:
             raise ConfigError(error)
-        self._check_paths()
+        check_paths(self)
 
     def hf_model_config(self) -> Any:
         """``--hf-config``'s transformers config (read afresh; or the ``--init`` folder's, or the one
@@ -400,44 +415,6 @@ class TrainConfig:
         if self.prepared:
             return Path(self.data) / "vocab.model"
         return Path(self.vocab) if self.vocab else Path(self.out) / "vocab.model"
-
-    def _check_paths(self) -> None:
-        if self.data and not Path(self.data).exists():
-            raise ConfigError(
-                f"cannot read the data file {self.data!r}: there is no such file or folder "
-                "(leave --data out for synthetic data)"
-            )
-        if self.model == "hf" and self.data and Path(self.data).is_dir() and not self.prepared:
-            raise ConfigError(
-                f"--model hf reads one file (--data {self.data!r} is a folder); a folder of language pairs trains "
-                "the encoder-decoder transformer: leave --model out"
-            )
-        if self.vocab and not self.parallel_folder:
-            raise ConfigError(
-                f"--vocab {self.vocab!r} is for --data FOLDER (a folder of parallel files) with the transformer; "
-                "leave --vocab out"
-            )
-        if (self.vocab or self.tokenizer) and self.prepared:
-            name = "vocab" if self.vocab else "tokenizer"
-            raise ConfigError(
-                f"--data {self.data!r} is prepared data, with its own vocabulary; leave --{name} out (gpipe prepare "
-                f"--{name} chooses it)"
-            )
-        if self.vocab and not Path(self.vocab).is_file():
-            raise ConfigError(
-                f"--vocab {self.vocab!r}: no such file; give a SentencePiece .model (gpipe vocab makes one), or "
-                "leave --vocab out to train one on the data"
-            )
-        out = Path(self.out)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--out {self.out!r} is a file; name a directory (it is created if missing)")
-        above = next((p for p in out.parents if p.exists()), None)
-        if above is not None and not above.is_dir():
-            raise ConfigError(f"--out {self.out!r} is inside {str(above)!r}, which is a file; name a directory")
-        if self.resume and self.overwrite:
-            raise ConfigError("--resume continues the run in OUT, --overwrite deletes it: give one of them")
-        if self.resume:
-            checkpoint_to_resume(out)
 
     @property
     def depth(self) -> int:

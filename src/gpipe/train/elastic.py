@@ -73,15 +73,16 @@ class Restart:
         start = f"from its checkpoint of step {self.step}" if self.checkpoint is not None else "from step 1"
         return f"torchrun restarted the job (restart {_restarts()}): {lost}; it continues {start}{again}"
 
-    def log(self, first_step_done: float) -> None:
-        """After the first step of the restart (rank 0): the row of ``OUT/restarts.jsonl``."""
+    def log(self, first_step_done: float, resumed_from: int) -> None:
+        """After the first step of the restart (rank 0): the row of ``OUT/restarts.jsonl`` (``resumed_from``:
+        the checkpoint loaded, an older one than :attr:`step` if that one was damaged)."""
         row = {
             "restart": _restarts(),
             "job": _job(),
             "lost": self.first["message"] if self.first is not None else None,
             "rank": self.first["rank"] if self.first is not None else None,
-            "resumed_from": self.step,
-            "steps_again": max(self.reached - self.step, 0),
+            "resumed_from": resumed_from,
+            "steps_again": max(self.reached - resumed_from, 0),
             "seconds": round(first_step_done - self.first["time"], 3) if self.first is not None else None,
         }
         with open(self.out / RESTARTS, "a") as f:

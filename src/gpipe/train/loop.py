@@ -306,7 +306,7 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                     bar.set_postfix(loss=f"{loss:.3f}", **speed, bubble=f"{bubble:.2f}", **skips, **shown)
                     bar.update(1)
             if restart is not None and step == start and process_rank() == 0:
-                restart.log(time.time())  # (OUT/restarts.jsonl: the time from the failure to this step)
+                restart.log(time.time(), start - 1)  # (OUT/restarts.jsonl: the time from the failure to this step)
             if step % cfg.checkpoint_every == 0:
                 checkpoints.save(step, background=True)
     except BatchError as exc:  # bad data found mid-run (an image that cannot be read): one line, as a bad flag
