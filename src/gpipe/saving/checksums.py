@@ -25,12 +25,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpipe.saving.folders import MANIFEST, CheckpointError, _checkpoint_folder, _read_manifest
-
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer
 
 __all__ = ["ALGORITHM", "FILES", "_Hashing", "_check", "_digest", "_listed", "verify"]
 
@@ -89,7 +86,7 @@ class _Hashing(io.IOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: ReadableBuffer) -> int:
+    def write(self, data: Any) -> int:  # (a bytes-like object)
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
         if written is not None and written != view.nbytes:  # (a buffered file writes all or raises)

@@ -36,7 +36,7 @@ from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import train_batch
-from gpipe.train.elastic import Restart, finished, record_failure, restart_of, start_job
+from gpipe.train.elastic import RESTARTS, Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
 from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
@@ -71,7 +71,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if point is not None and point.finished:
         return _last_metrics(out / "metrics.jsonl")
     with one_run(out):
-        if cfg.overwrite and process_rank() == 0 and (gone := delete_results(out)) and restart is None:
+        keep = (RESTARTS,) if restart is not None else ()  # (a job restarted before its first checkpoint: its log)
+        if cfg.overwrite and process_rank() == 0 and (gone := delete_results(out, keep)) and restart is None:
             print(f"--overwrite: deleted the earlier run in {cfg.out!r} ({', '.join(gone)})", file=sys.stderr)
         watch = watch_peers(cfg.timeout, functools.partial(record_failure, out, "lost"))
         try:

@@ -65,7 +65,7 @@ _INVOCATION = ("resume", "overwrite", "out", "progress", "timeout")
 
 # What a run writes into OUT: another run there would write over it (OUT/vocab.model, which
 # `gpipe vocab` may have put there, is an input, not a result).
-RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png")
+RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "restarts.jsonl")
 
 
 def earlier_run(out: Path) -> list[str]:
@@ -89,10 +89,12 @@ def check_out(cfg: TrainConfig) -> None:
         )
 
 
-def delete_results(out: Path) -> list[str]:
-    """Delete what an earlier run wrote into ``out`` (``--overwrite``); returns what it was."""
+def delete_results(out: Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Delete what an earlier run wrote into ``out`` (``--overwrite``) but ``keep``; returns what it was."""
     gone = earlier_run(out)
     for name in RESULTS:
+        if name in keep:
+            continue
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
