@@ -809,3 +809,29 @@ def selective_step(schedule: str, checkpoint: str, world: int | None = None) -> 
     torch.manual_seed(7)
     loss = pipe.step(x, y)
     return {"loss": loss, "grads": grads_of(pipe)}
+
+
+class _InfAt(nn.Module):
+    """Identity, but Inf in the rows whose first feature is above 2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x[:, :1] > 2.0, torch.full_like(x, float("inf")), x)
+
+
+def nonfinite_across_ranks() -> dict[str, Any]:
+    """A two-rank pipeline whose stage 1 gives Inf in micro-batch 2 (row 9 of 16 in 4): every rank's
+    check fails, and every rank locates it on rank 1."""
+    from gpipe.nonfinite import all_finite, locate
+
+    torch.manual_seed(0)
+    identity = nn.Linear(6, 6)
+    with torch.no_grad():
+        identity.weight.copy_(torch.eye(6))
+        identity.bias.zero_()
+    model = nn.Sequential(nn.Identity(), identity, _InfAt(), nn.Linear(6, 6), nn.Tanh())
+    pipe = Pipeline(model, [2, 3], chunks=4, loss_fn=F.mse_loss)
+    x, y = data()
+    x = x.clamp(-1.0, 1.0)
+    x[9, 0] = 3.0
+    loss = float(pipe.step(x, y))
+    return {"finite": all_finite(pipe, loss), "found": str(locate(pipe, x, y))}

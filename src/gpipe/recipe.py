@@ -27,6 +27,7 @@ __all__ = [
     "clip_grad_norm_per_parameter",
     "clip_logits",
     "count_tokens",
+    "grad_norms",
     "inverse_sqrt_lr",
     "inverse_sqrt_schedule",
     "label_smoothing_loss",
@@ -119,18 +120,28 @@ def adafactor(params: Iterable[nn.Parameter], lr: float = 1e-2, **kwargs: Any) -
 
 
 @torch.no_grad()
-def clip_grad_norm_per_parameter(params: Iterable[nn.Parameter], max_norm: float = 1.0) -> int:
-    """Clip every parameter's gradient to norm ``max_norm`` on its own (the paper's per-parameter
-    clipping); returns how many were clipped. A sharded parameter's gradient (a ``DTensor``, as
-    ``Pipeline(fsdp=True)``'s) is clipped by the norm of the whole gradient, reduced over its shards
-    (every rank holding a shard calls alike), not by its own shard's."""
-    clipped = 0
+def grad_norms(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, float]]:
+    """Every parameter with a gradient, and its gradient's norm (a sharded one's, a ``DTensor`` as
+    ``Pipeline(fsdp=True)``'s, reduced over its shards: every rank holding a shard calls alike)."""
+    norms = []
     for p in params:
         if p.grad is None:
             continue
         whole = p.grad.norm()  # (a shard's: its part of the norm, until reduced)
-        norm = float(whole.full_tensor() if isinstance(whole, DTensor) else whole)
+        norms.append((p, float(whole.full_tensor() if isinstance(whole, DTensor) else whole)))
+    return norms
+
+
+def clip_grad_norm_per_parameter(
+    params: Iterable[nn.Parameter], max_norm: float = 1.0, *, norms: list[tuple[nn.Parameter, float]] | None = None
+) -> int:
+    """Clip every parameter's gradient to norm ``max_norm`` on its own (the paper's per-parameter
+    clipping); returns how many were clipped. A sharded parameter's gradient is clipped by the norm of
+    the whole gradient, not by its own shard's. ``norms``: :func:`grad_norms` of ``params``, if
+    already computed (``gpipe train`` checks them for NaN and Inf first)."""
+    clipped = 0
+    for p, norm in grad_norms(params) if norms is None else norms:
         if norm > max_norm:
-            p.grad.mul_(max_norm / (norm + 1e-6))
+            p.grad.mul_(max_norm / (norm + 1e-6))  # type: ignore[union-attr]
             clipped += 1
     return clipped

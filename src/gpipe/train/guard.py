@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,15 +125,22 @@ class StepGuard:
             for b, before in self._buffers:
                 b.copy_(before)
 
-    def check(self, step: int, loss: float, again: Callable[[], Any]) -> str | None:
+    def check(
+        self, step: int, loss: float, again: Callable[[], Any], norms: Sequence[float] | None = None
+    ) -> str | None:
         """After step ``step`` (mean loss ``loss``): None if its update goes ahead; else why it is
-        skipped. ``again`` runs the step again, seeded as before, and returns :func:`locate`'s answer.
-        Raises :class:`NonFiniteError` to stop."""
+        skipped. ``again`` runs the step again, seeded as before, and returns :func:`locate`'s answer;
+        ``norms``: the gradients' norms if computed already (to clip them). Raises
+        :class:`NonFiniteError` to stop."""
         why = None
-        if not all_finite(self.pipe, loss):
+        if not all_finite(self.pipe, loss, norms=norms):
             where = again()
             self._restore()  # (the first run's running statistics, and the second's)
-            why = str(where) if where is not None else "a NaN or Inf that did not come again when the step was rerun"
+            why = (
+                str(where)
+                if where is not None
+                else ("a NaN or Inf that the step run again did not show (or a gradient norm beyond float range)")
+            )
             if self.cfg.on_nonfinite == "stop":
                 raise NonFiniteError(f"step {step}: {why}; --on-nonfinite skip would skip such steps", step)
         elif self.spikes is not None:

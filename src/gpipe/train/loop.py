@@ -30,7 +30,13 @@ from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
 from gpipe.nonfinite import locate
 from gpipe.pipeline import Pipeline
-from gpipe.recipe import clip_grad_norm_per_parameter, count_tokens, inverse_sqrt_schedule, label_smoothing_loss
+from gpipe.recipe import (
+    clip_grad_norm_per_parameter,
+    count_tokens,
+    grad_norms,
+    inverse_sqrt_schedule,
+    label_smoothing_loss,
+)
 from gpipe.rng import derive_seed
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
@@ -252,9 +258,11 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                 with precision():
                     return locate(pipe, batch.inputs, batch.target, share=shared)
 
-            skipped = guard.check(step, loss, again)  # (NaN or Inf: stops, or says why the update is skipped)
-            if cfg.clip_norm and skipped is None:
-                clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm)
+            norms = grad_norms(pipe.parameters()) if cfg.clip_norm else None  # (read once: checked, then clipped)
+            # NaN or Inf: stops, or says why the update is skipped
+            skipped = guard.check(step, loss, again, None if norms is None else [n for _, n in norms])
+            if norms is not None and skipped is None:
+                clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm, norms=norms)
             # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
             # on interruption is then labelled with the step whose update its weights hold.
             with interrupts.held():
