@@ -232,4 +232,5 @@ def test_a_job_stopped_on_a_nan_is_not_trained_again_by_a_restart(
     err = capsys.readouterr().err
     assert "error: step 4: NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 2;" in err
     assert "the job stopped there before torchrun restarted it, and the restart does not train it again" in err
+    assert "(the checkpoint of step 3 is kept)" in err
     assert (out / "metrics.jsonl").read_text() == before

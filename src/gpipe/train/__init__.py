@@ -124,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoSpaceError as exc:  # the checkpoints before it are intact (a save commits whole or not at all)
         return refuse(f"{exc.strerror}; the earlier checkpoints are intact: free space, then --resume")
     except NonFiniteError as exc:  # a NaN or Inf, named where it appeared (or too many skips in a row)
-        print(f"error: {exc} (the checkpoint of step {exc.step - 1} is kept)", file=sys.stderr)
+        kept = f"the checkpoint of step {exc.kept} is kept" if exc.kept else "no checkpoint was written yet"
+        print(f"error: {exc} ({kept})", file=sys.stderr)
         return EXIT_NONFINITE
     except KeyboardInterrupt:
         return 130

@@ -4,7 +4,8 @@
 After every step, before the optimizer's update, :func:`gpipe.nonfinite.all_finite` checks the loss and
 every gradient. When a value is NaN or Inf the step is run again, seeded as it was, with every layer
 watched (:func:`gpipe.nonfinite.locate`), to name where it first appeared. ``stop`` ends the run there
-(the checkpoint of the step before is written); ``skip`` drops the step's update: the weights and the
+(the checkpoint of the step before is written, unless the bad step changed running statistics that
+were not kept: then the newest checkpoint stays the last); ``skip`` drops the step's update: the weights and the
 optimizer's state stay as they were (and the running statistics the step changed are put back); the
 learning-rate schedule follows the step number. ``--max-skips`` skips in a row end the run as ``stop``
 does: a run never loops on a bad batch.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.modules.batchnorm import _NormBase
 
 from gpipe.nonfinite import all_finite
 from gpipe.pipeline import Pipeline
@@ -44,6 +46,7 @@ class NonFiniteError(RuntimeError):
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+        self.kept = 0  # the step of the newest checkpoint kept (0: none)
 
 
 NonFiniteError.__module__ = "gpipe.train"
@@ -119,6 +122,14 @@ class StepGuard:
         """Before a step: with skip, keep the buffers (running statistics) the step may change."""
         if self.cfg.on_nonfinite == "skip" or self.spikes is not None:
             self._buffers = [(b, b.clone()) for b in self.pipe.buffers() if b.is_floating_point()]
+
+    @property
+    def clean(self) -> bool:
+        """Whether the model is as it was before the bad step: nothing but the gradients changed (no
+        running statistics), or what changed was put back. Only then is it saved at a stop."""
+        if self._buffers:
+            return True
+        return not any(isinstance(m, _NormBase) and m.track_running_stats for m in self.pipe.modules())
 
     def _restore(self) -> None:
         with torch.no_grad():

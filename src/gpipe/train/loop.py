@@ -64,8 +64,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     restart = restart_of(cfg.out)  # torchrun restarted this job: it continues from its newest checkpoint
     if restart is not None:
         if (stop := restart.nonfinite()) is not None:  # (the same bad step again: no loop)
-            raise NonFiniteError(f"{stop['message']}; the job stopped there before torchrun restarted it, and the "
-                                 "restart does not train it again", stop.get("step") or 1)  # fmt: skip
+            error = NonFiniteError(f"{stop['message']}; the job stopped there before torchrun restarted it, and "
+                                   "the restart does not train it again", stop.get("step") or 1)  # fmt: skip
+            error.kept = restart.step
+            raise error
         # (no checkpoint yet: the job starts again, replacing what its lost attempt wrote)
         cfg = dataclasses.replace(cfg, resume=restart.checkpoint is not None, overwrite=restart.checkpoint is None)
         if int(os.environ.get("RANK", "0")) == 0:  # (the process group does not exist yet)
@@ -323,12 +325,14 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
         kept = f"; the checkpoint of step {checkpoints.saved} is kept: fix the data, then --resume"
         where = f"--data {cfg.data!r}: " if cfg.data else ""
         raise ConfigError(f"{where}{exc}{kept if checkpoints.saved else ''}") from exc
-    except NonFiniteError:  # every rank stops at the same step: the checkpoint of the step before it is written
+    except NonFiniteError as exc:  # every rank stops at the same step: the checkpoint of the step before it
         interrupts.restore()
         if bar is not None:
             bar.close()
-        checkpoints.save(done)
+        if guard.clean:  # (not if the bad step changed running statistics: the newest checkpoint stays)
+            checkpoints.save(done)
         checkpoints.finish()
+        exc.kept = checkpoints.saved
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (torchrun's agent stops the group when a worker failed)
         interrupts.restore()
