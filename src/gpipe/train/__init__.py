@@ -17,6 +17,8 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
     torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
+    torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train  # a lost rank: the job goes on from its checkpoint
+    gpipe train --on-nonfinite skip --max-skips 5  # a NaN or Inf is named where it appeared; its step skipped
 
 Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair); metrics go to
 ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the curves to ``OUT/loss.png``; a checkpoint
