@@ -47,26 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
-from torch import nn
 
 import gpipe.saving.dcp
 import gpipe.saving.saver
-from gpipe import Pipeline
+from checkpoints import LAYERS, WIDTH, pipeline, summary  # (the same 98 MiB model; run from benchmarks/)
 from gpipe.saving import load, save, verify
-
-WIDTH, LAYERS = 1792, 8
-
-
-def pipeline() -> tuple[Pipeline, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    pipe = Pipeline(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), [4, 4], chunks=2,
-                    loss_fn=F.mse_loss, devices=["cpu", "cpu"], cpu_threads=1)  # fmt: skip
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
-    optimizer.zero_grad()
-    pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
-    optimizer.step()
-    return pipe, optimizer
 
 
 class Counting(io.IOBase):
@@ -148,10 +133,6 @@ def evict(folder: Path) -> None:
             os.close(fd)
 
 
-def summary(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1000:.0f} [{min(values) * 1000:.0f}-{max(values) * 1000:.0f}]"
-
-
 def timed(work: Any, *args: Any, **kwargs: Any) -> float:
     began = time.perf_counter()
     work(*args, **kwargs)
@@ -170,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpipe-checksum-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    pipe, optimizer = pipeline()
+    pipe, optimizer, _ = pipeline()
     mib = sum(p.numel() * p.element_size() for p in pipe.parameters()) / 2**20
     print(f"{LAYERS} x Linear({WIDTH}) on 2 stages: {mib:.0f} MiB of weights; torch {torch.__version__}; "
           f"{os.cpu_count()} cores; {args.repeats} repetitions after 2 warm-ups")  # fmt: skip
