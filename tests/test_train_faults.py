@@ -60,6 +60,24 @@ def poison(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
     yield lambda *at: where.__setitem__(slice(None), at)
 
 
+def optimizer_whose_step(call: int, instead: Callable[[], Any]) -> Callable[[Any, Any], Any]:
+    """``gpipe train``'s ``make_optimizer``, but the optimizer's ``call``-th step runs ``instead``."""
+    make_optimizer = loop.make_optimizer
+
+    def make(cfg: Any, params: Any) -> Any:
+        optimizer = make_optimizer(cfg, params)
+        update, calls = optimizer.step, [0]
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return instead() if calls[0] == call else update(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)  # (a method: the scheduler wraps it)
+        return optimizer
+
+    return make
+
+
 def rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -90,20 +108,7 @@ def test_skip_drops_the_steps_update_and_the_others_equal_a_run_without_it(
 
     # the reference: no NaN, and the optimizer's update of step 3 left out
     poison()  # (no step)
-    make_optimizer = loop.make_optimizer
-
-    def without_step_3(cfg: Any, params: Any) -> Any:
-        optimizer = make_optimizer(cfg, params)
-        update, calls = optimizer.step, [0]
-
-        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return None if calls[0] == 3 else update(*args, **kwargs)
-
-        optimizer.step = types.MethodType(step, optimizer)  # (a method: the scheduler wraps it)
-        return optimizer
-
-    monkeypatch.setattr(loop, "make_optimizer", without_step_3)
+    monkeypatch.setattr(loop, "make_optimizer", optimizer_whose_step(3, lambda: None))
     assert main(["train", *QUICK, "--out", str(tmp_path / "ref")]) == 0
     ref = rows(tmp_path / "ref")
     for a, b in zip(skipped, ref):
@@ -154,27 +159,13 @@ def job(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
 def test_a_restarted_job_continues_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(
     job: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    def lost() -> None:
+        raise RuntimeError("a rank was lost")
+
     make_optimizer = loop.make_optimizer
-
-    def failing_at(call: int) -> Callable[..., Any]:
-        def make(cfg: Any, params: Any) -> Any:
-            optimizer = make_optimizer(cfg, params)
-            update, calls = optimizer.step, [0]
-
-            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-                calls[0] += 1
-                if calls[0] == call:
-                    raise RuntimeError("a rank was lost")
-                return update(*args, **kwargs)
-
-            optimizer.step = types.MethodType(step, optimizer)
-            return optimizer
-
-        return make
-
     out = str(tmp_path / "run")
     job(0)
-    monkeypatch.setattr(loop, "make_optimizer", failing_at(5))
+    monkeypatch.setattr(loop, "make_optimizer", optimizer_whose_step(5, lost))
     with pytest.raises(RuntimeError, match="a rank was lost"):
         main(["train", *QUICK, "--out", out])
     assert json.loads((tmp_path / "run" / ".job.json").read_text())["job"] == "job-1"
