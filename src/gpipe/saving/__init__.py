@@ -102,7 +102,7 @@ front ends), never the applications (train, data, models, ...).
 
 from gpipe.saving.asynchronous import AsyncSave
 from gpipe.saving.checksums import verify
-from gpipe.saving.folders import CheckpointError, NoSpaceError, latest, prune, write_atomically
+from gpipe.saving.folders import CheckpointError, NoSpaceError, complete, latest, prune, write_atomically
 from gpipe.saving.keys import layer_state
 from gpipe.saving.loader import load
 from gpipe.saving.module import load_module
@@ -112,6 +112,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointError",
     "NoSpaceError",
+    "complete",
     "latest",
     "layer_state",
     "load",

@@ -34,6 +34,7 @@ __all__ = [
     "_read_manifest",
     "_remove",
     "_write_error",
+    "complete",
     "latest",
     "prune",
     "write_atomically",
@@ -304,11 +305,17 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     return _newest_complete(root, f"{pointer} names {name}, which is {'incomplete' if target.exists() else 'missing'}")
 
 
+def complete(directory: str | os.PathLike[str]) -> list[Path]:
+    """The complete ``step-*`` checkpoint folders of ``directory``, newest (highest step) first; a
+    folder a save is still writing, or one it has put aside, is not among them."""
+    root = Path(directory)
+    steps = [p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and _complete(p)] if root.is_dir() else []
+    return sorted(steps, key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+
+
 def _newest_complete(root: Path, why: str) -> Path | None:
     """The complete ``step-*`` folder of the highest step in ``root`` (announced, with ``why``), or None."""
-    steps = [p for p in root.glob("step-*") if _STEP.fullmatch(p.name)] if root.is_dir() else []
-    steps.sort(key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
-    found = next((p for p in steps if _complete(p)), None)
+    found = next(iter(complete(root)), None)
     if found is not None:
         warnings.warn(f"{why}; using {found.name}, the newest complete checkpoint there", RuntimeWarning, stacklevel=3)
     return found
@@ -324,8 +331,7 @@ def prune(directory: str | os.PathLike[str], keep: int, *, spare: str | os.PathL
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive number of checkpoints (keep: {keep!r})")
     root = Path(directory)
-    steps = [p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and _complete(p)] if root.is_dir() else []
-    steps.sort(key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+    steps = complete(root)
     newest = latest(root)
     deleted = []
     kept = {p.name for p in (newest, None if spare is None else Path(spare)) if p is not None}

@@ -25,7 +25,7 @@ from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf, lora
 from gpipe.pipeline import Pipeline
-from gpipe.saving import AsyncSave, CheckpointError, latest, load, prune, save, write_atomically
+from gpipe.saving import AsyncSave, CheckpointError, complete, latest, load, prune, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.setup import hf_config, process_rank
 
@@ -33,7 +33,6 @@ __all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
 
 RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
 SCHEDULER = "scheduler.json"  # in every checkpoint: the learning-rate schedule's state
-MANIFEST = "manifest.json"  # what makes a checkpoint's folder complete
 _STEP = re.compile(r"step-(\d{8,})")
 
 
@@ -54,6 +53,7 @@ class Checkpoints:
         self.saved = 0  # the step of the newest save started
         self.config: str | None = None  # --model hf: the config the model was built from
         self.lora: str | None = None  # --lora: the adapters' lora.json (set by the loop)
+        self.loaded: Path | None = None  # the checkpoint resumed from
         self.spare: Path | None = None  # the checkpoint resumed from past damaged newer ones: never pruned
         self.guard: Callable[[], str] | None = None  # the bad-step guard's state, for guard.json (set by the loop)
         if cfg.model == "hf" and isinstance(data, TokenDataset):
@@ -138,7 +138,7 @@ class Checkpoints:
             for name, problem in damaged:
                 print(f"warning: checkpoint {name} is damaged ({problem}); resuming from {folder.name} instead",
                       file=sys.stderr)  # fmt: skip
-        self.spare = folder if damaged else None
+        self.loaded, self.spare = folder, folder if damaged else None
         return self.saved + 1
 
     def _load(self, folder: Path) -> None:
@@ -152,9 +152,8 @@ class Checkpoints:
 
 def _older(root: Path, found: Path) -> list[Path]:
     """The complete checkpoints of ``root`` before ``found``'s step, newest first."""
-    steps = {int(m[1]): p for p in root.glob("step-*") if (m := _STEP.fullmatch(p.name)) and (p / MANIFEST).is_file()}
     before = int(m[1]) if (m := _STEP.search(found.name)) else 0
-    return [steps[step] for step in sorted(steps, reverse=True) if step < before]
+    return [p for p in complete(root) if int(p.name.removeprefix("step-")) < before]
 
 
 @contextlib.contextmanager

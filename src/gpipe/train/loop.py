@@ -222,8 +222,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
     guard = StepGuard(cfg, pipe)  # --on-nonfinite, --max-skips, --skip-spikes
     checkpoints.guard = guard.state
     start = checkpoints.resume() if cfg.resume else 1
-    if start > 1:
-        guard.load(checkpoints.root / f"step-{start - 1:08d}" / GUARD)
+    if checkpoints.loaded is not None:
+        guard.load(checkpoints.loaded / GUARD)
     if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
         said = warm_start(cfg, pipe, data, found[1])  # the weights only: a new optimizer and schedule
         if process_rank() == 0:
