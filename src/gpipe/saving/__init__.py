@@ -54,7 +54,8 @@ only complete folders, and no file of an earlier save of the same step survives 
 The next save into the directory removes what a killed save left behind (temporary files and
 folders); loading never changes the directory, so it is safe while another process saves. Old
 checkpoints go only when asked: :func:`prune` deletes the complete ones but the newest N, never the
-one ``latest`` names nor a folder a save is still writing (``gpipe train --keep N``).
+one ``latest`` names nor a folder a save is still writing (``gpipe train --keep N``); :func:`complete`
+lists the complete ones, newest first.
 
 Asynchronous saves. ``save(..., asynchronous=True)`` copies this rank's entries into CPU memory (so
 that training may change the weights and the optimizer state at once: the checkpoint holds them as
