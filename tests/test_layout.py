@@ -24,8 +24,8 @@ LIBRARY = frozenset({
     "pipeline", "gpipe", "generation", "nonfinite",  # the front ends
 })  # fmt: skip
 APPLICATIONS = frozenset({
-    "models", "recipe", "data", "decode", "evaluation", "translate", "generate", "export", "train", "bench", "demo",
-    "commands", "cli", "__main__",
+    "models", "recipe", "data", "decode", "evaluation", "evaluator", "translate", "generate", "export", "train",
+    "bench", "demo", "commands", "cli", "__main__",
 })  # fmt: skip
 
 # What the applications need and the library must not pull in.

@@ -269,6 +269,17 @@ def test_torchrun_trains_the_vocabulary_once_and_equals_one_process(corpus: Path
 
     assert rows("ranks") == rows("one")  # bitwise: losses, eval losses and BLEU per pair
     assert "bleu/xs-yc" in rows("ranks")[-1]
+    # gpipe eval of the checkpoint: in one process, and under torchrun (rank 0 writes), with the numbers the
+    # run's own evaluation logged, from its prepared data (OUT/prepared), bitwise
+    assert main(["eval", "--checkpoint", str(tmp_path / "ranks")]) == 0
+    cmd[cmd.index("train") :] = ["eval", "--checkpoint", str(tmp_path / "one")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for out in ("ranks", "one"):
+        lines = (tmp_path / out / "eval" / "metrics.jsonl").read_text().splitlines()
+        (evaluated,) = map(json.loads, lines)
+        assert evaluated == {k: v for k, v in rows(out)[-1].items() if k in evaluated}
+        assert "bleu/xs-yc" in evaluated
 
 
 @pytest.mark.parametrize(

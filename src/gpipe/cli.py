@@ -2,6 +2,7 @@
 its parser (``gpipe COMMAND -h`` lists them).
 
 - ``gpipe train``: the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM (:mod:`gpipe.train`).
+- ``gpipe eval``: a run's checkpoints evaluated apart from its training, once or as they come (:mod:`gpipe.evaluator`).
 - ``gpipe translate``: sentences through a checkpoint of ``gpipe train --data DIR`` (:mod:`gpipe.translate`).
 - ``gpipe generate``: prompts continued by a checkpoint of ``gpipe train --model hf`` (:mod:`gpipe.generate`).
 - ``gpipe export``: a checkpoint of ``gpipe train --model hf`` as a transformers model folder (:mod:`gpipe.export`).
@@ -24,6 +25,7 @@ __all__ = ["COMMANDS", "main"]
 
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
+    "eval": "evaluate a run's checkpoints apart from training: once, or --watch as they come (see -h)",
     "translate": "translate sentences with a checkpoint of gpipe train --data DIR (see -h)",
     "generate": "continue prompts with a checkpoint of gpipe train --model hf on text (see -h)",
     "export": "write a checkpoint of gpipe train --model hf as a transformers model folder (see -h)",
@@ -48,6 +50,8 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
     """The command's entry point, imported now that it runs."""
     if name == "train":
         from gpipe.train import main
+    elif name == "eval":
+        from gpipe.evaluator import main
     elif name == "translate":
         from gpipe.translate import main
     elif name == "generate":

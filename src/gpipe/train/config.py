@@ -229,7 +229,10 @@ class TrainConfig:
     max_length: int = field(
         default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
     )
-    eval_every: int = field(default=50, metadata={"help": "evaluate every N steps"})
+    eval_every: int = field(
+        default=50,
+        metadata={"help": "evaluate every N steps and at the last (0: never; gpipe eval --watch evaluates apart)"},
+    )
     eval_batches: int = field(default=4, metadata={"help": "batches per evaluation (not translation: see below)"})
     eval_sentences: int = field(
         default=100,
@@ -344,14 +347,16 @@ class TrainConfig:
                 f"{self.tensor_parallel}; start torchrun with a multiple, or give --data-parallel"
             )
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
-                    "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_every",
-                    "eval_batches", "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
+                    "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_batches",
+                    "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{flag(name)} must be positive (got {getattr(self, name)})")
         for name, (ok, requirement) in RANGES.items():
             if not ok(getattr(self, name)):  # (NaN fails every comparison)
                 raise ConfigError(f"--{flag(name)} must be {requirement} (got {getattr(self, name)})")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be 0 (never) or positive (got {self.eval_every})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
         if (error := data_flags_error(self)) is not None:

@@ -19,23 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe.balance import balance_by_flops
-from gpipe.checkpoint import Selective
-from gpipe.data import PAD, TranslationBatch, TranslationDataset
+from gpipe.data import TranslationBatch, TranslationDataset
 from gpipe.data.base import ReplicaBatch
 from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
-from gpipe.models import hf
 from gpipe.nonfinite import locate
-from gpipe.pipeline import Pipeline
 from gpipe.recipe import (
     clip_grad_norm_per_parameter,
-    count_tokens,
     grad_norms,
     inverse_sqrt_schedule,
-    label_smoothing_loss,
 )
 from gpipe.rng import derive_seed
 from gpipe.schedule import simulate
@@ -45,10 +39,10 @@ from gpipe.train.data import train_batch
 from gpipe.train.elastic import RESTARTS, Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
-from gpipe.train.metrics import bleu_table, eval_postfix, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.metrics import bleu_table, eval_postfix, eval_summary, plot_curves, progress_bar, tensorboard_writer
 from gpipe.train.precision import autocast, check_supported
 from gpipe.train.resume import check_out, delete_results, resume_point
-from gpipe.train.setup import make_data, make_model, make_optimizer, process_rank
+from gpipe.train.setup import make_data, make_losses, make_model, make_optimizer, make_pipeline, process_rank
 
 __all__ = ["one_run", "train"]
 
@@ -168,40 +162,11 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
             raise  # synthetic data: the settings were checked, so this is a bug
         raise ConfigError(str(exc)) from exc  # (gpipe.data's errors name the file and what is wrong)
     model = make_model(cfg, data)
-    tokens = data.unit != "images"
-    # Token losses leave out padding, and a step's loss is the mini-batch's token mean however the
-    # padding falls into micro-batches: each micro-batch sums, the step divides by the tokens counted.
-    ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
-    loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
-    cross_entropy: Any = None  # --model hf: without label smoothing, for the held-out perplexity
-    if cfg.model == "hf":  # its last layer returns the model's ModelOutput
-        loss_fn = functools.partial(hf.logits_loss, loss_fn)
-        plain = functools.partial(label_smoothing_loss, smoothing=0.0, ignore_index=PAD)
-        cross_entropy = functools.partial(hf.logits_loss, plain)
-        cannot = getattr(model, "cannot_generate", None)
-        if cannot is not None and process_rank() == 0:
-            print(f"note: evaluations show no sample generation: {cannot}", file=sys.stderr)
-    sample = data.batch(cfg.batch, 0, split="eval").inputs
-    pipe = Pipeline(
-        model,
-        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks),  # from shapes, on 'meta'
-        virtual=cfg.virtual,
-        chunks=cfg.chunks,
-        deferred_batch_norm=cfg.model == "amoebanet",
-        schedule=cfg.schedule,
-        loss_fn=functools.partial(loss_fn, reduction="sum") if tokens else loss_fn,
-        loss_count=count_tokens(PAD) if tokens else None,
-        checkpoint=Selective(save_ops="matmuls", microbatches="except_last")
-        if cfg.checkpoint == "matmuls"
-        else cfg.checkpoint,
-        devices=None if distributed else ["cpu"] * cfg.partitions,
-        data_parallel=cfg.data_parallel,
-        fsdp=cfg.fsdp,
-        tensor_parallel=cfg.tensor_parallel,
-        init_seed=cfg.seed,
-        cpu_threads=cfg.threads,
-        timeout=cfg.timeout,
-    )
+    losses = make_losses(cfg, data)
+    loss_fn, cross_entropy, tokens = losses.loss_fn, losses.cross_entropy, losses.tokens
+    if cfg.model == "hf" and (cannot := getattr(model, "cannot_generate", None)) is not None and process_rank() == 0:
+        print(f"note: evaluations show no sample generation: {cannot}", file=sys.stderr)
+    pipe = make_pipeline(cfg, model, data, losses, distributed=distributed)
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
         command = "translate" if left == "BLEU" else "generate"
         split = f" --tensor-parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
@@ -288,7 +253,7 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                     last["tokens"] = batch.count
                     if isinstance(batch, (TranslationBatch, ReplicaBatch)) and batch.padding is not None:
                         last["padding"] = batch.padding
-                if step % cfg.eval_every == 0 or step == cfg.steps:
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with precision():  # (the held-out losses of the model as it trains)
                         held_out = evaluate(
                             pipe,
@@ -354,14 +319,11 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
     checkpoints.finish()
     if process_rank() == 0:
         plot_curves(metrics_path, out / "loss.png", baseline, data.baseline_name)
-        nan = float("nan")
-        accuracy = f", eval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
-        bleu = f", BLEU {last['bleu']:.1f}" if "bleu" in last else ""
-        perplexity = f", eval perplexity {last['eval_perplexity']:.2f}" if "eval_perplexity" in last else ""
+        final = last.get("loss")
+        evaluated = f", {said}" if (said := eval_summary(last)) else ""
         print(
-            f"step {done}: loss {last.get('loss', nan):.4f}, eval loss {last.get('eval_loss', nan):.4f}{accuracy}"
-            f"{bleu}{perplexity} ({data.baseline_name} baseline {baseline:.4f}); metrics in {metrics_path}, curves in "
-            f"{out / 'loss.png'}"
+            f"step {done}: loss {float('nan') if final is None else final:.4f}{evaluated} ({data.baseline_name} "
+            f"baseline {baseline:.4f}); metrics in {metrics_path}, curves in {out / 'loss.png'}"
         )
         if "sample" in last:
             print(f"sample: {last['sample']}")

@@ -12,7 +12,15 @@ from gpipe.evaluation import resource_groups
 from gpipe.train.config import TrainConfig, has_tensorboard
 from gpipe.train.setup import process_rank
 
-__all__ = ["bleu_table", "curves_figure", "eval_postfix", "plot_curves", "progress_bar", "tensorboard_writer"]
+__all__ = [
+    "bleu_table",
+    "curves_figure",
+    "eval_postfix",
+    "eval_summary",
+    "plot_curves",
+    "progress_bar",
+    "tensorboard_writer",
+]
 
 
 def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
@@ -34,6 +42,21 @@ def progress_bar(cfg: TrainConfig, start: int) -> Any:
 
     desc = "gpipe train" if cfg.precision == "fp32" else f"gpipe train {cfg.precision}"  # (bf16: said on every line)
     return progress(cfg.steps, initial=start - 1, desc=desc, unit="step")
+
+
+def eval_summary(metrics: dict[str, Any]) -> str:
+    """An evaluation's metrics in a line: ``eval loss 1.2345, BLEU 87.6`` (the accuracy of images, the
+    perplexity of a causal LM); '' for metrics without an evaluation."""
+    if "eval_loss" not in metrics:
+        return ""
+    said = [f"eval loss {metrics['eval_loss']:.4f}"]
+    if "eval_accuracy" in metrics:
+        said.append(f"eval accuracy {metrics['eval_accuracy']:.3f}")
+    if "bleu" in metrics:
+        said.append(f"BLEU {metrics['bleu']:.1f}")
+    if "eval_perplexity" in metrics:
+        said.append(f"eval perplexity {metrics['eval_perplexity']:.2f}")
+    return ", ".join(said)
 
 
 SAMPLE_SHOWN = 60

@@ -65,7 +65,7 @@ _INVOCATION = ("resume", "overwrite", "out", "progress", "timeout")
 
 # What a run writes into OUT: another run there would write over it (OUT/vocab.model, which
 # `gpipe vocab` may have put there, is an input, not a result).
-RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "restarts.jsonl")
+RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "restarts.jsonl", "eval")
 
 
 def earlier_run(out: Path) -> list[str]:

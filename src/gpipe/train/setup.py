@@ -4,15 +4,20 @@ and the optimizer."""
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gpipe.balance import balance_by_flops
+from gpipe.checkpoint import Selective
 from gpipe.data import (
+    PAD,
     Dataset,
     ImageDataset,
     ImageFiles,
@@ -27,12 +32,23 @@ from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
 from gpipe.models import amoebanet, amoebanet_d, hf, lora, pretrained, transformer
-from gpipe.recipe import adafactor, rmsprop
+from gpipe.pipeline import Pipeline
+from gpipe.recipe import adafactor, count_tokens, label_smoothing_loss, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.data import on_rank_zero, prepared_folder
 from gpipe.train.initial import PRETRAINED, init_source, init_tokenizer
 
-__all__ = ["hf_config", "make_data", "make_model", "make_optimizer", "process_rank", "translation_model"]
+__all__ = [
+    "Losses",
+    "hf_config",
+    "make_data",
+    "make_losses",
+    "make_model",
+    "make_optimizer",
+    "make_pipeline",
+    "process_rank",
+    "translation_model",
+]
 
 
 def process_rank() -> int:
@@ -46,6 +62,63 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
     if cfg.optimizer == "rmsprop":
         return rmsprop(params, lr=1.0)
     return torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+
+
+@dataclass(frozen=True)
+class Losses:
+    """A run's losses: ``loss_fn(logits, target, reduction=...)`` (the training loss, label
+    smoothed; its evaluations' too), ``cross_entropy`` (``--model hf``: without label smoothing, for
+    the held-out perplexity; else None), and ``tokens`` (whether they are token means, padding left
+    out, rather than means over images)."""
+
+    loss_fn: Callable[..., torch.Tensor]
+    cross_entropy: Callable[..., torch.Tensor] | None
+    tokens: bool
+
+
+def make_losses(cfg: TrainConfig, data: Dataset) -> Losses:
+    """The losses of a run on ``data`` (:class:`Losses`)."""
+    tokens = data.unit != "images"
+    ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
+    loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
+    cross_entropy: Any = None
+    if cfg.model == "hf":  # its last layer returns the model's ModelOutput
+        loss_fn = functools.partial(hf.logits_loss, loss_fn)
+        plain = functools.partial(label_smoothing_loss, smoothing=0.0, ignore_index=PAD)
+        cross_entropy = functools.partial(hf.logits_loss, plain)
+    return Losses(loss_fn, cross_entropy, tokens)
+
+
+def make_pipeline(
+    cfg: TrainConfig, model: torch.nn.Sequential, data: Dataset, losses: Losses, *, distributed: bool
+) -> Pipeline:
+    """The run's :class:`~gpipe.Pipeline` of ``model``: ``--partitions`` stages balanced by FLOPs (from
+    shapes, on the meta device), the schedule, re-materialization and layout the settings say; the
+    same for ``gpipe train`` and ``gpipe eval`` (which evaluates a checkpoint with the numbers
+    training's own evaluation had). Token losses leave out padding, and a step's loss is the
+    mini-batch's token mean however the padding falls into micro-batches: each micro-batch sums, the
+    step divides by the tokens counted."""
+    sample = data.batch(cfg.batch, 0, split="eval").inputs
+    return Pipeline(
+        model,
+        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks),
+        virtual=cfg.virtual,
+        chunks=cfg.chunks,
+        deferred_batch_norm=cfg.model == "amoebanet",
+        schedule=cfg.schedule,
+        loss_fn=functools.partial(losses.loss_fn, reduction="sum") if losses.tokens else losses.loss_fn,
+        loss_count=count_tokens(PAD) if losses.tokens else None,
+        checkpoint=Selective(save_ops="matmuls", microbatches="except_last")
+        if cfg.checkpoint == "matmuls"
+        else cfg.checkpoint,
+        devices=None if distributed else ["cpu"] * cfg.partitions,
+        data_parallel=cfg.data_parallel,
+        fsdp=cfg.fsdp,
+        tensor_parallel=cfg.tensor_parallel,
+        init_seed=cfg.seed,
+        cpu_threads=cfg.threads,
+        timeout=cfg.timeout,
+    )
 
 
 def make_data(cfg: TrainConfig) -> Dataset:

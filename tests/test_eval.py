@@ -1,0 +1,134 @@
+"""`gpipe eval`: a run's checkpoints evaluated apart from its training, once or as they come (--watch),
+with the numbers training's own evaluation logged."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpipe.cli import main
+from gpipe.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small runs of each kind of model: translation (BLEU per pair), images (accuracy), a causal LM (perplexity,
+# a sample), each with a checkpoint and an evaluation at steps 2 and 4.
+KINDS: dict[str, dict[str, Any]] = {
+    "translation": {"steps": 4},
+    "images": {"model": "amoebanet", "layers": 3, "filters": 16, "image_size": 16, "batch": 32, "steps": 4},
+    "hf": {"model": "hf", "batch": 16, "steps": 4},
+}
+EVAL_KEYS = {"translation": "bleu/xs-yc", "images": "eval_accuracy", "hf": "eval_perplexity"}
+
+
+def rows(path: Path) -> dict[int, dict[str, Any]]:
+    return {row["step"]: row for row in map(json.loads, path.read_text().splitlines())}
+
+
+def trained(out: Path, **settings: Any) -> Path:
+    train(TrainConfig(out=str(out), progress=False, **{"eval_every": 2, "checkpoint_every": 2, **settings}))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_eval_equals_the_training_evaluation_at_its_step_and_nearly_at_another_k(kind: str, tmp_path: Path) -> None:
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    run = trained(tmp_path / "run", **KINDS[kind])
+    assert main(["eval", "--checkpoint", str(run), "--step", "2"]) == 0
+    assert main(["eval", "--checkpoint", str(run)]) == 0  # the newest: step 4
+    logged, evaluated = rows(run / "metrics.jsonl"), rows(run / "eval" / "metrics.jsonl")
+    assert sorted(evaluated) == [2, 4]
+    for step in (2, 4):
+        assert EVAL_KEYS[kind] in evaluated[step]
+        # bitwise: the same keys and numbers (and the same sample text) as the run's own evaluation
+        assert evaluated[step] == {k: v for k, v in logged[step].items() if k in evaluated[step]}
+        assert set(evaluated[step]) == {"step"} | {k for k in logged[step] if k.startswith(("eval", "bleu", "sample"))}
+    assert (run / "eval" / "tensorboard").is_dir()
+    # another layout: one stage instead of the run's two, within float rounding
+    assert main(["eval", "--checkpoint", str(run), "--partitions", "1", "--out", str(tmp_path / "k1")]) == 0
+    one = rows(tmp_path / "k1" / "metrics.jsonl")[4]
+    for key, value in one.items():
+        if key.startswith("eval_loss") or key == "eval_perplexity":
+            assert math.isclose(value, evaluated[4][key], rel_tol=1e-5), key
+
+
+def test_eval_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = trained(tmp_path / "run", steps=4)
+    assert main(["eval", "--checkpoint", str(run), "--step", "2"]) == 0
+    capsys.readouterr()
+    refused = {
+        "step 2 is evaluated in": ["--checkpoint", str(run), "--step", "2"],
+        "holds evaluations with other settings (--beam 1 there, 3 here)": ["--checkpoint", str(run), "--beam", "3"],
+        "holds no checkpoint of step 3 (it holds steps [2, 4])": ["--checkpoint", str(run), "--step", "3"],
+        "exceeds the model's": ["--checkpoint", str(run), "--partitions", "99", "--out", str(tmp_path / "o")],
+        "--step is for --checkpoint": ["--watch", str(run), "--step", "2"],
+        "--all is for --watch": ["--checkpoint", str(run), "--all"],
+        "--poll must be a positive number": ["--watch", str(run), "--poll", "0"],
+        "no such folder": ["--checkpoint", str(tmp_path / "none")],
+    }
+    for message, flags in refused.items():
+        assert main(["eval", *flags]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(rows(run / "eval" / "metrics.jsonl")) == [2]  # nothing written by a refused evaluation
+    assert main(["eval", "--checkpoint", str(run), "--step", "2", "--overwrite"]) == 0
+
+
+def test_a_watcher_without_all_evaluates_the_newest_checkpoint_and_stops(tmp_path: Path) -> None:
+    run = trained(tmp_path / "run", steps=4, eval_every=0)
+    assert "eval_loss" not in "".join((run / "metrics.jsonl").read_text())  # --eval-every 0: never
+    assert main(["eval", "--watch", str(run), "--quiet"]) == 0
+    assert sorted(rows(run / "eval" / "metrics.jsonl")) == [4]  # it fell behind: the newest, then the last step
+
+
+def _gpipe(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(log, "ab") as f:
+        return subprocess.Popen([sys.executable, "-m", "gpipe", *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_watcher_started_before_the_run_evaluates_each_checkpoint_once_across_its_restart(tmp_path: Path) -> None:
+    run, logs = tmp_path / "run", [tmp_path / "watch-1.log", tmp_path / "watch-2.log"]
+    watcher = _gpipe("eval", "--watch", str(run), "--all", "--poll", "1", log=logs[0])
+    trainer = None
+    try:
+        time.sleep(2)  # (waiting for a run that has not started)
+        trainer = _gpipe("train", "--out", str(run), "--steps", "30", "--checkpoint-every", "10", "--eval-every", "0",
+                         "--no-progress", "--threads", "1", log=tmp_path / "train.log")  # fmt: skip
+        _wait_for(lambda: "step 10: eval loss" in logs[0].read_text(), 120, "the first evaluation")
+        watcher.send_signal(signal.SIGKILL)  # lost with nothing said; started again, it goes on
+        watcher.wait(timeout=30)
+        watcher = _gpipe("eval", "--watch", str(run), "--all", "--poll", "1", log=logs[1])
+        assert trainer.wait(timeout=240) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        ended = time.monotonic()
+        assert watcher.wait(timeout=120) == 0, logs[1].read_text()[-3000:]
+        assert time.monotonic() - ended < 60  # it stopped by itself soon after the run's last checkpoint
+    finally:
+        for process in (watcher, trainer):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    evaluated = run / "eval" / "metrics.jsonl"
+    assert [json.loads(line)["step"] for line in evaluated.read_text().splitlines()] == [10, 20, 30]
+    first, second = (log.read_text() for log in logs)
+    for step in (10, 20, 30):  # none evaluated again by the watcher started again
+        said = f"step {step}: eval loss"
+        assert first.count(said) + second.count(said) <= 1, (first, second)
+    assert "step 10: eval loss" in first and "step 30: eval loss" in second
+    assert "the run's last step, 30, is evaluated; stopping" in second
