@@ -148,8 +148,9 @@ class _Job:
         row = self.evaluator.evaluate(step)
         if self.results is not None:
             self.results.add(row)
-            print(f"step {step}: {eval_summary(row)} ({self.out / 'metrics.jsonl'})", flush=True)
             data = self.evaluator.data
+            self.results.plot(self.run, data.baseline(), data.baseline_name)
+            print(f"step {step}: {eval_summary(row)} ({self.out / 'metrics.jsonl'})", flush=True)
             if isinstance(data, TranslationDataset) and "bleu" in row and not self.args.watch:
                 print(bleu_table(row, data.pair_sizes))
         return True

@@ -3,6 +3,8 @@
 - ``metrics.jsonl``: one row per evaluated step, ``step`` and the keys of training's own evaluation
   (``eval_loss``, ``bleu/<pair>``, ...), in step order; rewritten whole at each evaluation (a crash
   leaves the previous file), so that what it lists is what was done: a watcher started again skips it;
+- ``loss.png``: the training's loss curve (the run's ``metrics.jsonl``) with these evaluations' losses and
+  BLEU per pair over it, as training's own ``loss.png`` draws its evaluations;
 - ``settings.json``: the evaluation settings its rows share (a later evaluation with others is refused);
 - ``tensorboard/``: the same numbers as TensorBoard events, under training's names, so that
   ``tensorboard --logdir RUN`` draws them over the training run's;
@@ -22,6 +24,7 @@ from typing import IO, Any
 from gpipe.commands.args import UsageError
 from gpipe.saving import write_atomically
 from gpipe.train.config import has_tensorboard
+from gpipe.train.metrics import curves_figure
 
 __all__ = ["METRICS", "SETTINGS", "Results", "evaluated_steps"]
 
@@ -94,6 +97,17 @@ class Results:
                 elif name != "step" and value is not None:
                     self.board.add_scalar(name, value, row["step"])
             self.board.flush()
+
+    def plot(self, run: Path, baseline: float, baseline_name: str) -> None:
+        """``loss.png``: the run's training losses (``run/metrics.jsonl``) and the evaluations here."""
+        evaluated = {r["step"]: r for r in _rows(self.folder / METRICS)}
+        rows = [{**r, **evaluated.pop(r["step"], {})} for r in _rows(run / METRICS)]
+        rows = sorted(rows + list(evaluated.values()), key=lambda r: int(r["step"]))
+        figure = curves_figure(rows, baseline, baseline_name)
+        write_atomically(self.folder / "loss.png", lambda p: figure.savefig(p, dpi=120, format="png"))
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
 
     def close(self) -> None:
         if self.board is not None:
