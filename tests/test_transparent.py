@@ -1,10 +1,12 @@
 """Transparent attention (``transformer(..., transparent=True)``, ``gpipe train --transparent``): the
 pipelined model's losses and gradients are the plain model's bitwise, at any partition count and
-schedule; cached decoding chooses the uncached tokens."""
+schedule; cached decoding chooses the uncached tokens; training logs the learned weights."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe import Pipeline
+from gpipe.cli import main
 from gpipe.data import PAD
 from gpipe.decode import beam_search, greedy
 from gpipe.models import transformer, transformer_lm
@@ -22,6 +25,9 @@ from gpipe.models.transparent import (
     TransparentTargetEmbedding,
     transparent_weights,
 )
+from gpipe.train import ConfigError, TrainConfig, train
+from gpipe.train.resume import saved_settings
+from gpipe.translate import Translator
 from tests.helpers import intra_op_threads
 
 VOCAB = 20
@@ -162,6 +168,39 @@ def test_the_wrapped_layers_keep_their_tensor_parallel_plans() -> None:
         if isinstance(layer, (TransparentEncoderLayer, TransparentDecoderLayer)):
             plan = layer.tensor_parallel_plan(2)
             assert plan and all(layer.get_submodule(name) is not None for name in plan), plan
+
+
+def test_gpipe_train_logs_the_weights_and_translate_rebuilds_the_model(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    assert main(["corpus", "--out", str(corpus), "--sizes", "200,40", "--held-out", "4"]) == 0
+    out = tmp_path / "run"
+    cfg = TrainConfig(out=str(out), data=str(corpus), vocab_size=100, transparent=True, layers=1, hidden=32,
+                      dim=16, heads=2, batch=8, chunks=2, steps=2, eval_every=1, progress=False)  # fmt: skip
+    result = train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    names = ["transparent/dec1/emb", "transparent/dec1/enc1"]
+    assert [sorted(k for k in row if k.startswith("transparent/")) for row in rows] == [names, names]
+    assert rows[0]["transparent/dec1/emb"] + rows[0]["transparent/dec1/enc1"] == pytest.approx(1, abs=1e-3)
+    assert rows[0]["transparent/dec1/emb"] != 0.5  # (learned: one step from uniform)
+    assert result["transparent/dec1/emb"] == rows[-1]["transparent/dec1/emb"]
+    (checkpoint,) = (out / "checkpoints").glob("step-*")
+    assert json.loads((checkpoint / "run.json").read_text())["config"]["transparent"] is True
+    translator = Translator(out, partitions=2)
+    assert any(
+        isinstance(layer, TransparentTargetEmbedding) for p in translator.pipe.partitions.values() for layer in p
+    )
+    assert len(translator.translate(["a b c"], to=translator.vocab.languages[0])) == 1
+
+
+def test_a_run_saved_before_the_setting_is_not_transparent(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"model": "transformer", "layers": 2}}))
+    assert TrainConfig(**saved_settings(tmp_path)).transparent is False
+
+
+@pytest.mark.parametrize("model", ["amoebanet", "hf"])
+def test_train_refuses_transparent_for_other_models(tmp_path: Path, model: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--transparent .* --model transformer .*\(model: '{model}'\)"):
+        TrainConfig(out=str(tmp_path), model=model, transparent=True).check()
 
 
 def test_a_model_without_an_encoder_is_refused() -> None:

@@ -28,6 +28,7 @@ from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models import hf
+from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import (
@@ -301,6 +302,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                             cross_entropy=cross_entropy,
                         )
                     last.update(held_out)
+                    if cfg.transparent:  # the learned mixes (every rank: shared by the rank that holds them)
+                        last.update(transparent_weights(pipe))
                     shown = eval_postfix(last)
                 if process_rank() == 0:
                     with open(metrics_path, "a") as f:
