@@ -25,8 +25,8 @@ from gpipe.models.transparent import (
     TransparentTargetEmbedding,
     transparent_weights,
 )
-from gpipe.train import ConfigError, TrainConfig, train
-from gpipe.train.resume import saved_settings
+from gpipe.train import ConfigError, TrainConfig, parse, train
+from gpipe.train.resume import resume_point, saved_settings
 from gpipe.translate import Translator
 from tests.helpers import intra_op_threads
 
@@ -115,7 +115,7 @@ def test_the_weights_start_uniform_and_all_on_the_last_layer_are_the_plain_model
 def test_the_weights_learn() -> None:
     model = model_of(transparent=True)
     inputs, target = batch()
-    pipe = Pipeline(model, BALANCES[2], chunks=2, devices=["cpu"] * 2, loss_fn=loss_fn)
+    pipe = Pipeline(model, BALANCES[2], chunks=2, devices=["cpu"] * 2, loss_fn=loss_fn, cpu_threads=1)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.1)
     before = transparent_weights(pipe)
     pipe.step(inputs, target)
@@ -151,10 +151,11 @@ def test_cached_decoding_chooses_the_uncached_tokens_at_every_partition_count() 
     g = torch.Generator().manual_seed(4)
     source, start = torch.randint(3, VOCAB, (7, 6), generator=g), torch.randint(3, 7, (7,), generator=g)
     source[0, 4:] = PAD
-    # uncached: the whole prefix through the plain model at every step
-    expected = greedy(model, source, start, max_len=9, cache=False)
-    beams = beam_search(model, source, start, beam=3, max_len=9, length_penalty=0.6, cache=False)
-    assert torch.equal(greedy(model, source, start, max_len=9), expected)  # the plain model's caches
+    with intra_op_threads(1):  # (tiny kernels: two threads spin on a busy machine)
+        # uncached: the whole prefix through the plain model at every step
+        expected = greedy(model, source, start, max_len=9, cache=False)
+        beams = beam_search(model, source, start, beam=3, max_len=9, length_penalty=0.6, cache=False)
+        assert torch.equal(greedy(model, source, start, max_len=9), expected)  # the plain model's caches
     for k in (1, 2, 4):
         pipe = Pipeline(copy.deepcopy(model), BALANCES[k], chunks=2, devices=["cpu"] * k, cpu_threads=1).eval()
         assert torch.equal(greedy(pipe, source, start, max_len=9), expected), k
@@ -185,6 +186,10 @@ def test_gpipe_train_logs_the_weights_and_translate_rebuilds_the_model(tmp_path:
     assert result["transparent/dec1/emb"] == rows[-1]["transparent/dec1/emb"]
     (checkpoint,) = (out / "checkpoints").glob("step-*")
     assert json.loads((checkpoint / "run.json").read_text())["config"]["transparent"] is True
+    # a warm start builds the run's model; a resumed run keeps it
+    assert parse(["--init", str(out), "--data", str(corpus), "--out", str(tmp_path / "warm")]).transparent
+    with pytest.raises(ConfigError, match=r"--transparent False differs from the run's True"):
+        resume_point(parse(["--out", str(out), "--resume", "--no-transparent", "--steps", "3"]))
     translator = Translator(out, partitions=2)
     assert any(
         isinstance(layer, TransparentTargetEmbedding) for p in translator.pipe.partitions.values() for layer in p
