@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from gpipe.decode.beams import Beams
 from gpipe.generation.generate import share_from
 from gpipe.models.transformer import DecoderLayer, EncoderLayer, Output, SourceEmbedding, TargetEmbedding
+from gpipe.models.transparent import TransparentDecoderLayer, TransparentEncoderLayer, TransparentTargetEmbedding
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.decoding import DecodeTrace, Next, decode
 from gpipe.runtime.executor import Executor
@@ -34,7 +35,8 @@ from gpipe.runtime.stage import Stage
 
 __all__ = ["Chunk", "caches_supported", "run"]
 
-_CACHED = (SourceEmbedding, EncoderLayer, TargetEmbedding, DecoderLayer, Output)
+_CACHED = (SourceEmbedding, EncoderLayer, TargetEmbedding, DecoderLayer, Output, TransparentEncoderLayer,
+           TransparentTargetEmbedding, TransparentDecoderLayer)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from gpipe.data.prepared import PreparedCorpus, is_prepared
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models.hf import CONFIG
+from gpipe.models.transparent import transparent_weights
 from gpipe.saving import CheckpointError, load
 from gpipe.train import ConfigError, TrainConfig
 from gpipe.train.data import CACHE
@@ -177,4 +178,6 @@ class Evaluator:
                 length_penalty=s.length_penalty,
                 cross_entropy=self.losses.cross_entropy,
             )
+        if self.cfg.transparent:  # (as training logs them with its evaluations)
+            metrics.update(transparent_weights(self.pipe))
         return {"step": step, **metrics}

@@ -7,6 +7,9 @@
       (src, tgt) tokens ─ SourceEmbedding ─> (x, src_pad, tgt) ─ L x EncoderLayer ─>
       ─ TargetEmbedding ─> (memory, src_pad, y, tgt_pad) ─ L x DecoderLayer ─ Output ─> logits (B, T, V)
 
+  With ``transparent=True`` each decoder layer attends over its own learned mix of the source embedding
+  and every encoder layer's output instead (:mod:`gpipe.models.transparent`: the layers wrapped).
+
 - :func:`transformer_lm` — decoder-only language model: ``Embedding ─ L x Block ─ Output``.
 
 Attention holds its weights in ``nn.MultiheadAttention`` (heads of dim/A) unless ``head_dim`` is
@@ -48,6 +51,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from gpipe.cache import LayerCache, layer_cache
+from gpipe.models.transparent import transparent_attention
 from gpipe.recipe import clip_logits
 
 __all__ = ["Attention", "attend", "parameter_count", "transformer", "transformer_lm"]
@@ -431,19 +435,23 @@ def transformer(
     pad: int = 0,
     head_dim: int | None = None,
     attention_dropout: float | None = None,
+    transparent: bool = False,
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
     ``heads`` attention heads (each ``head_dim`` wide; default dim/heads). Input: a tuple (source
     tokens, target tokens), both (B, T); output: logits (B, T_target, vocab). ``attention_dropout``:
-    on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix."""
+    on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix.
+    ``transparent``: each decoder layer attends over its own learned mix of the source embedding and
+    every encoder layer's output (:mod:`gpipe.models.transparent`)."""
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
-    return nn.Sequential(
+    model = nn.Sequential(
         SourceEmbedding(vocab, dim, max_len, dropout, pad),
         *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim, attention_dropout) for _ in range(layers)],
         TargetEmbedding(vocab, dim, max_len, dropout, pad),
         *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
+    return transparent_attention(model, layers, layers) if transparent else model
 
 
 def transformer_lm(
@@ -459,9 +467,15 @@ def transformer_lm(
     ff_init_scale: float | None = None,
     head_dim: int | None = None,
     attention_dropout: float | None = None,
+    transparent: bool = False,
 ) -> nn.Sequential:
     """A decoder-only language model of ``layers`` blocks: input tokens (B, T), output logits
     (B, T, vocab) predicting the next token. ``attention_dropout``: as :func:`transformer`'s."""
+    if transparent:
+        raise ValueError(
+            "transparent=True mixes the encoder's layers for the decoder's cross-attention, and transformer_lm has "
+            "no encoder: build an encoder-decoder, transformer(..., transparent=True), or leave transparent out"
+        )
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
     return nn.Sequential(
         TokenEmbedding(vocab, dim, max_len, dropout),

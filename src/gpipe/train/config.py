@@ -128,6 +128,14 @@ class TrainConfig:
     )
     dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
     logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
+    transparent: bool = field(
+        default=False,
+        metadata={
+            "help": "transformer: transparent attention (Bapna et al. 2018), for deep encoders: each decoder layer "
+            "attends over its own learned softmax-weighted mix of the source embedding and every encoder layer's "
+            "output; the weights are logged at each evaluation as transparent/dec<j>/<source> (emb, enc<i>)"
+        },
+    )
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
     data_parallel: int = field(
         default=1,
@@ -373,6 +381,11 @@ class TrainConfig:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
         if self.dim % self.heads:
             raise ConfigError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+        if self.transparent and self.model != "transformer":
+            raise ConfigError(
+                f"--transparent mixes the encoder layers of --model transformer for its decoder (model: "
+                f"{self.model!r}); leave --transparent out, or use --model transformer"
+            )
         if self.model == "amoebanet" and self.filters < 4:
             raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
         if self.model == "amoebanet" and self.image_size < 4:

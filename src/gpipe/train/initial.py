@@ -42,7 +42,7 @@ PRETRAINED, RUN = "pretrained", "run"
 
 # What a warm start takes from the run it starts from: the settings that shape the model's weights.
 MODEL_SETTINGS = ("model", "hf_config", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "filters",
-                  "logit_clip")  # fmt: skip
+                  "logit_clip", "transparent")  # fmt: skip
 
 # The built-in models' size flags: --model hf takes its size from its config instead.
 _SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "logit_clip", "filters", "classes", "image_size")

@@ -25,6 +25,7 @@ from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
+from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
 from gpipe.recipe import (
     clip_grad_norm_per_parameter,
@@ -266,6 +267,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                             cross_entropy=cross_entropy,
                         )
                     last.update(held_out)
+                    if cfg.transparent:  # the learned mixes (every rank: shared by the rank that holds them)
+                        last.update(transparent_weights(pipe))
                     shown = eval_postfix(last)
                 if process_rank() == 0:
                     with open(metrics_path, "a") as f:

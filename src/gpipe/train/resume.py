@@ -51,6 +51,7 @@ FIXED = {
     "filters": "the model's size",
     "classes": "the model's size",
     "image_size": "the model's size",
+    "transparent": "the model (its transparent attention)",
     "vocab": "the vocabulary",
     "vocab_size": "the vocabulary",
     "tokenizer": "the vocabulary",

@@ -179,7 +179,7 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
     """The transformer ``cfg`` describes, for ``vocab`` tokens and sentences of up to ``length``
     (positions: at least 64). ``gpipe translate`` rebuilds a checkpoint's model with it."""
     return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=max(64, length),
-                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None)  # fmt: skip
+                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None, transparent=cfg.transparent)  # fmt: skip
 
 
 def _vocab(cfg: TrainConfig) -> Vocab:
