@@ -51,7 +51,8 @@ def test_eval_equals_the_training_evaluation_at_its_step_and_nearly_at_another_k
         assert EVAL_KEYS[kind] in evaluated[step]
         # bitwise: the same keys and numbers (and the same sample text) as the run's own evaluation
         assert evaluated[step] == {k: v for k, v in logged[step].items() if k in evaluated[step]}
-        assert set(evaluated[step]) == {"step"} | {k for k in logged[step] if k.startswith(("eval", "bleu", "sample", "transparent/"))}
+        held_out = {k for k in logged[step] if k.startswith(("eval", "bleu", "sample", "transparent/"))}
+        assert set(evaluated[step]) == {"step"} | held_out
     assert (run / "eval" / "tensorboard").is_dir() and (run / "eval" / "loss.png").is_file()
     # another layout: one stage instead of the run's two, within float rounding
     assert main(["eval", "--checkpoint", str(run), "--partitions", "1", "--out", str(tmp_path / "k1")]) == 0
