@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpipe import Pipeline, Selective
-from gpipe.health import Health, Recorder, mark_blocks
+from gpipe.health import Health, Recorder, blocks_of, mark_blocks
+from gpipe.models import amoebanet_d, transformer, transformer_lm
 
 ROWS, CHUNKS, WIDTH = 8, 4, 6
 
@@ -165,3 +166,13 @@ def test_a_layer_changing_its_input_in_place_is_named() -> None:
     with pytest.warns(UserWarning, match=changed), Recorder(pipe) as health:
         pipe.step(*batch())
     assert sorted(health.result().output_grads) == [1, 2]
+
+
+def test_the_models_name_their_blocks() -> None:
+    with torch.device("meta"):
+        assert blocks_of(transformer(3, 16, 2, dim=8, vocab=10)) == (1, 3)  # the encoder's first and last layers
+        assert blocks_of(transformer_lm(3, 16, 2, dim=8, vocab=10)) == (1, 3)
+        cells = amoebanet_d(3, 8, classes=10)
+        assert blocks_of(cells) == (1, len(cells) - 2)
+    pipe = Pipeline(transformer(3, 16, 2, dim=8, vocab=10), [9], chunks=1, devices=["cpu"])
+    assert blocks_of(pipe) == (1, 3)  # (kept by the pipeline from the Sequential)

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from gpipe.cache import LayerCache, layer_cache
+from gpipe.health import mark_blocks
 from gpipe.recipe import clip_logits
 
 __all__ = ["Attention", "attend", "parameter_count", "transformer", "transformer_lm"]
@@ -437,13 +438,14 @@ def transformer(
     tokens, target tokens), both (B, T); output: logits (B, T_target, vocab). ``attention_dropout``:
     on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix."""
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
-    return nn.Sequential(
+    model = nn.Sequential(
         SourceEmbedding(vocab, dim, max_len, dropout, pad),
         *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim, attention_dropout) for _ in range(layers)],
         TargetEmbedding(vocab, dim, max_len, dropout, pad),
         *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
+    return mark_blocks(model, 1, layers)  # (Bapna et al.'s gradient-norm ratio: the first and last encoder layers)
 
 
 def transformer_lm(
@@ -463,11 +465,12 @@ def transformer_lm(
     """A decoder-only language model of ``layers`` blocks: input tokens (B, T), output logits
     (B, T, vocab) predicting the next token. ``attention_dropout``: as :func:`transformer`'s."""
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
-    return nn.Sequential(
+    model = nn.Sequential(
         TokenEmbedding(vocab, dim, max_len, dropout),
         *[DecoderLayer(dim, hidden, heads, dropout, scale, False, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
+    return mark_blocks(model, 1, layers)  # (the gradient-norm ratio: the first and last blocks)
 
 
 def parameter_count(model: nn.Module) -> int:
