@@ -1,11 +1,15 @@
 """Training health (gpipe.health): the global gradient norm, the norm of the loss's gradient by every
 layer's output and Bapna et al.'s ratio between the first and last block — bitwise the same at any K,
-under re-materialization and split backward, equal to an unpipelined reference, and the watch removed
-after the step."""
+under re-materialization and split backward, equal to an unpipelined reference, written by
+``gpipe train --health-every N``, and nothing installed when off. (On 2 gloo ranks:
+tests/test_torchrun.py's comparison of whole metrics lines.)"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gpipe import Pipeline, Selective
 from gpipe.health import Health, Recorder, blocks_of, mark_blocks
 from gpipe.models import amoebanet_d, transformer, transformer_lm
+from gpipe.train import TrainConfig, train
 
 ROWS, CHUNKS, WIDTH = 8, 4, 6
 
@@ -176,3 +181,30 @@ def test_the_models_name_their_blocks() -> None:
         assert blocks_of(cells) == (1, len(cells) - 2)
     pipe = Pipeline(transformer(3, 16, 2, dim=8, vocab=10), [9], chunks=1, devices=["cpu"])
     assert blocks_of(pipe) == (1, 3)  # (kept by the pipeline from the Sequential)
+
+
+def test_gpipe_train_writes_the_health_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    quick = {"progress": False, "steps": 4, "eval_every": 4, "eval_batches": 1, "batch": 16}
+    train(TrainConfig(out=str(tmp_path / "on"), health_every=2, **quick))
+    rows = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    keys = ["grad_norm", "grad_norm_ratio", *(f"output_grad/{i:03d}" for i in range(7))]  # T(2, ...): 7 layers
+    assert [all(k in r for k in keys) for r in rows] == [False, True, False, True]
+    assert not any(k.startswith(("grad_norm", "output_grad")) for r in rows[::2] for k in r)
+    assert all(r["grad_norm_ratio"] == r["output_grad/001"] / r["output_grad/002"] for r in rows[1::2])  # encoder
+    assert (tmp_path / "on" / "grad_norm_ratio.png").read_bytes().startswith(b"\x89PNG")
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "on" / "tensorboard"))
+        events.Reload()
+        for key in keys:
+            assert [(e.step, e.value) for e in events.Scalars(key)] == [
+                (r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows[1::2]
+            ]
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a Recorder was made with --health-every 0")
+
+    monkeypatch.setattr("gpipe.train.loop.Recorder", refused)  # off: no recorder, so no watch and no hook
+    train(TrainConfig(out=str(tmp_path / "off"), health_every=0, tensorboard="off", **quick))
+    assert not (tmp_path / "off" / "grad_norm_ratio.png").exists()
