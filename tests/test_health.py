@@ -162,6 +162,8 @@ def test_the_norms_the_caller_has_are_used_and_blocks_fall_back() -> None:
     assert found.blocks == (0, 7)  # (no blocks said: the first and last layer with an output gradient)
     with pytest.raises(ValueError, match=r"0 <= first <= last < 8, the model's layers \(blocks: \(3, 9\)\)"):
         Recorder(pipe, blocks=(3, 9))
+    with pytest.raises(TypeError, match=r"records a gpipe.Pipeline's step \(got Sequential\)"):
+        Recorder(layers)  # type: ignore[arg-type]
 
 
 def test_a_layer_changing_its_input_in_place_is_named() -> None:

@@ -83,8 +83,9 @@ __all__ = ["BLOCKS", "Health", "Recorder", "blocks_of", "grad_norms", "mark_bloc
 BLOCKS = "health_blocks"
 """The attribute of a model's ``nn.Sequential`` naming (first, last) block: :func:`mark_blocks`."""
 
-_CHUNK = 4096
-"""The width of one level of :func:`_square_sum`'s tree (a row reduced by one thread, in order)."""
+_CHUNK = 16384
+"""The width of one level of :func:`_square_sum`'s tree: a row reduced by one thread, in order (under
+ATen's grain, 32768 elements, below which a reduction is not split)."""
 
 Watch = Callable[["Stage", int, int, Callable[[Any], Any]], Callable[[Any], Any]]
 
@@ -133,7 +134,7 @@ def _square_sum(t: Tensor) -> Tensor:
     if head < v.numel():
         squares = torch.cat([squares, torch.linalg.vector_norm(v[head:], dtype=torch.float64).reshape(1)])
     squares = squares.square()
-    while squares.numel() > _CHUNK:  # (over 16M elements)
+    while squares.numel() > _CHUNK:  # (over 268M elements)
         head = squares.numel() - squares.numel() % _CHUNK
         rows = squares[:head].view(-1, _CHUNK).sum(dim=1)
         squares = torch.cat([rows, squares[head:].sum().reshape(1)]) if head < squares.numel() else rows
@@ -218,6 +219,11 @@ class Recorder:
     :meth:`result` alike (one all-reduce over the world)."""
 
     def __init__(self, pipe: Pipeline, *, blocks: tuple[int, int] | None = None) -> None:
+        if not hasattr(pipe, "engine"):
+            raise TypeError(
+                f"a health Recorder records a gpipe.Pipeline's step (got {type(pipe).__name__}); build the model "
+                "with gpipe.Pipeline (GPipe's autograd-driven forward has no stages to watch)"
+            )
         self.pipe = pipe
         self.layers = sum(pipe.balance)
         found = blocks if blocks is not None else blocks_of(pipe)
