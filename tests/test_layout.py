@@ -21,7 +21,7 @@ ROOT = Path(gpipe.__file__).parent
 LIBRARY = frozenset({
     "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory", "cache",  # concepts
     "balance", "schedule", "sequential", "runtime", "distributed", "saving", "engine",  # the engine
-    "pipeline", "gpipe", "generation", "nonfinite",  # the front ends
+    "pipeline", "gpipe", "generation", "nonfinite", "health",  # the front ends
 })  # fmt: skip
 APPLICATIONS = frozenset({
     "models", "recipe", "data", "decode", "evaluation", "evaluator", "translate", "generate", "export", "train",

@@ -41,9 +41,11 @@ def test_example_runs_alike_in_one_process_and_under_torchrun(nproc: int, extra:
 
 
 def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
+    """Every number of metrics.jsonl (losses, held-out losses, BLEU, the training health's norms and
+    gradient-norm ratio) bitwise equal, but the speed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
-    flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5"]
+    flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5", "--health-every", "5"]
     runs = {
         "one": [sys.executable, "-m", "gpipe", *flags, "--out", str(tmp_path / "one")],
         "two": [
@@ -57,6 +59,8 @@ def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     one, two = ((tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in runs)
     strip = [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in one]
     assert [re.sub(r'"tokens_per_s": [0-9.e+-]+, ', "", line) for line in two] == strip
+    # the training health too (reduced across the ranks: bitwise the one process's), every 5 steps
+    assert ['"grad_norm_ratio": ' in line for line in two] == [step % 5 == 0 for step in range(1, 11)]
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000010").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "guard.json", "manifest.json", "run.json", "scheduler.json",
     ]  # fmt: skip

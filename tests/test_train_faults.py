@@ -99,10 +99,13 @@ def test_skip_drops_the_steps_update_and_the_others_equal_a_run_without_it(
     poison: Callable[..., None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     poison((3, 1))
-    assert main(["train", *QUICK, "--out", str(tmp_path / "skip"), "--on-nonfinite", "skip"]) == 0
+    health = ["--health-every", "3"]  # (the bad step's health: what it can say; the numbers are unchanged)
+    assert main(["train", *QUICK, "--out", str(tmp_path / "skip"), "--on-nonfinite", "skip", *health]) == 0
     skipped = rows(tmp_path / "skip")
     assert [r["step"] for r in skipped] == [1, 2, 3, 4, 5, 6]
     assert skipped[2]["loss"] is None
+    assert skipped[2]["grad_norm"] is skipped[2]["grad_norm_ratio"] is skipped[2]["output_grad/004"] is None
+    assert skipped[5]["grad_norm"] > 0 and skipped[5]["grad_norm_ratio"] > 0
     assert skipped[2]["skipped"] == "NaN in the forward of layer 0 (PoisonAt) of stage 0 (cpu), micro-batch 1"
     assert [r.get("skips") for r in skipped] == [None, None, 1, 1, 1, 1]
 

@@ -154,6 +154,8 @@ class Pipeline(nn.Module):
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
         # What the layers say about generating (gpipe.generation.traced.cached_layers's), for generate.
         self.generation = getattr(module, "generation", None) if isinstance(module, nn.Sequential) else None
+        # The model's first and last block (gpipe.health.mark_blocks), for the gradient-norm ratio.
+        self.health_blocks = getattr(module, "health_blocks", None) if isinstance(module, nn.Sequential) else None
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.engine = build(

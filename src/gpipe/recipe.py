@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from gpipe.health import grad_norms  # (the library's: the health metrics' global norm is made of them too)
 
 __all__ = [
     "adafactor",
@@ -117,19 +118,6 @@ def rmsprop(params: Iterable[nn.Parameter], lr: float, *, weight_decay: float = 
 def adafactor(params: Iterable[nn.Parameter], lr: float = 1e-2, **kwargs: Any) -> torch.optim.Adafactor:
     """torch's Adafactor (factored second moments), for the Transformer recipe."""
     return torch.optim.Adafactor(params, lr=lr, **kwargs)
-
-
-@torch.no_grad()
-def grad_norms(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, float]]:
-    """Every parameter with a gradient, and its gradient's norm (a sharded one's, a ``DTensor`` as
-    ``Pipeline(fsdp=True)``'s, reduced over its shards: every rank holding a shard calls alike)."""
-    norms = []
-    for p in params:
-        if p.grad is None:
-            continue
-        whole = p.grad.norm()  # (a shard's: its part of the norm, until reduced)
-        norms.append((p, float(whole.full_tensor() if isinstance(whole, DTensor) else whole)))
-    return norms
 
 
 def clip_grad_norm_per_parameter(

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from gpipe.health import mark_blocks
+
 __all__ = ["NORMAL", "REDUCTION", "amoebanet_d", "smallest_feature_map"]
 
 States = tuple[Tensor, Tensor]
@@ -210,7 +212,7 @@ def amoebanet_d(
         for _ in range(count):
             add(filters * 2**i, False)
     cells.append(Classifier(prev, classes))
-    return nn.Sequential(*cells)
+    return mark_blocks(nn.Sequential(*cells), 1, len(cells) - 2)  # (the gradient-norm ratio: first and last cells)
 
 
 def smallest_feature_map(model: nn.Module, image: tuple[int, ...]) -> int:

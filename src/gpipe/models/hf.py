@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from gpipe.data import BOS, EOS
 from gpipe.data.tokenizer import _transformers
+from gpipe.health import mark_blocks
 
 __all__ = [
     "CONFIG",
@@ -97,11 +98,11 @@ def pipeline_layers(model: nn.Module, sample: Tensor) -> nn.Sequential:
     from gpipe.sequential import to_sequential
 
     try:
-        return cached_layers(model)
+        layers = cached_layers(model)
     except ValueError as exc:
         layers = to_sequential(model, sample)
         layers.cannot_generate = str(exc)  # type: ignore[assignment]  # (a plain attribute, as cached_layers' generation)
-        return layers
+    return mark_blocks(layers, 1, len(layers) - 2)  # (the gradient-norm ratio: the first and last blocks)
 
 
 def layer_count(config: Any) -> int:

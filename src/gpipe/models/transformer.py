@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from gpipe.cache import LayerCache, layer_cache
+from gpipe.health import mark_blocks
 from gpipe.models.transparent import transparent_attention
 from gpipe.recipe import clip_logits
 
@@ -451,7 +452,8 @@ def transformer(
         *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
-    return transparent_attention(model, layers, layers) if transparent else model
+    model = transparent_attention(model, layers, layers) if transparent else model
+    return mark_blocks(model, 1, layers)  # (Bapna et al.'s gradient-norm ratio: the first and last encoder layers)
 
 
 def transformer_lm(
@@ -477,11 +479,12 @@ def transformer_lm(
             "no encoder: build an encoder-decoder, transformer(..., transparent=True), or leave transparent out"
         )
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
-    return nn.Sequential(
+    model = nn.Sequential(
         TokenEmbedding(vocab, dim, max_len, dropout),
         *[DecoderLayer(dim, hidden, heads, dropout, scale, False, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
+    return mark_blocks(model, 1, layers)  # (the gradient-norm ratio: the first and last blocks)
 
 
 def parameter_count(model: nn.Module) -> int:

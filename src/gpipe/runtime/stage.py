@@ -126,8 +126,9 @@ class Stage:
         # (input grad flags, training) -> output grad flags, for forwards run without autograd.
         self._flows: dict[tuple[tuple[bool, ...], bool], tuple[bool, ...]] = {}
         self.watch: Callable[[Stage, int, int, Callable[[Any], Any]], Callable[[Any], Any]] | None = None
-        """Set while :func:`gpipe.nonfinite.locate` runs a step again: ``watch(stage, m, i, f)`` wraps
-        the stage's ``i``-th function ``f`` (its last: the loss) for micro-batch ``m``."""
+        """Set while :func:`gpipe.nonfinite.locate` runs a step again, or a :class:`gpipe.health.Recorder`
+        records one: ``watch(stage, m, i, f)`` wraps the stage's ``i``-th function ``f`` (its last: the
+        loss) for micro-batch ``m``."""
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, layers {self.first}..{self.first + len(self.module) - 1}, {self.device})"

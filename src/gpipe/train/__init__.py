@@ -20,13 +20,15 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train  # a lost rank: the job goes on from its checkpoint
     gpipe train --on-nonfinite skip --max-skips 5  # a NaN or Inf is named where it appeared; its step skipped
 
-Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair); metrics go to
-``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the curves to ``OUT/loss.png``; a checkpoint
-(layers and optimizer state keyed by global layer index) is written every ``--checkpoint-every`` steps, at
-the end, and on Ctrl-C. Batches and dropout are a pure function of (seed, step), so ``--resume``
-reproduces the uninterrupted run's losses exactly, with another ``--partitions`` too. A resumed run keeps
-the settings it was started with; a flag given with ``--resume`` overrides one, and is named. An ``OUT``
-that holds an earlier run is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
+Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair), every
+``--health-every`` steps it logs the gradient norm, each layer's output-gradient norm and their ratio between
+the first and last block; metrics go to ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the
+curves to ``OUT/loss.png`` and ``OUT/grad_norm_ratio.png``; a checkpoint (layers and optimizer state keyed
+by global layer index) is written every ``--checkpoint-every`` steps, at the end, and on Ctrl-C. Batches
+and dropout are a pure function of (seed, step), so ``--resume`` reproduces the uninterrupted run's losses
+exactly, with another ``--partitions`` too. A resumed run keeps the settings it was started with; a flag
+given with ``--resume`` overrides one, and is named. An ``OUT`` that holds an earlier run is refused unless
+``--resume`` or ``--overwrite`` says what to do with it.
 
 Under torchrun, ``--data-parallel D`` runs D replicas of the K-stage pipeline (D x K processes), each on
 1/D of every mini-batch, with the losses of D=1; ``--fsdp`` shards each stage's parameters, gradients and
@@ -68,7 +70,7 @@ _GROUPS = {
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
                  "precision", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length", "workers", "augment"),
-    "evaluation": ("eval_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
+    "evaluation": ("eval_every", "health_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "keep", "async_checkpoint", "progress",
                "tensorboard"),
     "faults": ("on_nonfinite", "max_skips", "skip_spikes", "timeout"),

@@ -92,6 +92,7 @@ RANGES = {
     "label_smoothing": (_probability, "in [0, 1)"),
     "length_penalty": (_nonnegative, "a finite number >= 0"),
     "timeout": (_positive, "a positive finite number of seconds"),
+    "health_every": (_nonnegative, "a number of steps >= 0 (0: off)"),
 }
 """The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
 

@@ -241,6 +241,14 @@ class TrainConfig:
         default=50,
         metadata={"help": "evaluate every N steps and at the last (0: never; gpipe eval --watch evaluates apart)"},
     )
+    health_every: int = field(
+        default=10,
+        metadata={
+            "help": "every N steps metrics.jsonl and TensorBoard get grad_norm (before clipping), output_grad/NNN (the "
+            "norm of the loss's gradient by layer NNN's output) and grad_norm_ratio (Bapna et al.'s: first / last "
+            "block's); 0: off"
+        },
+    )
     eval_batches: int = field(default=4, metadata={"help": "batches per evaluation (not translation: see below)"})
     eval_sentences: int = field(
         default=100,

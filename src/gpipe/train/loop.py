@@ -25,6 +25,7 @@ from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
+from gpipe.health import Recorder
 from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
 from gpipe.recipe import (
@@ -40,7 +41,15 @@ from gpipe.train.data import train_batch
 from gpipe.train.elastic import RESTARTS, Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
-from gpipe.train.metrics import bleu_table, eval_postfix, eval_summary, plot_curves, progress_bar, tensorboard_writer
+from gpipe.train.metrics import (
+    bleu_table,
+    eval_postfix,
+    eval_summary,
+    plot_curves,
+    plot_health,
+    progress_bar,
+    tensorboard_writer,
+)
 from gpipe.train.precision import autocast, check_supported
 from gpipe.train.resume import check_out, delete_results, resume_point
 from gpipe.train.setup import make_data, make_losses, make_model, make_optimizer, make_pipeline, process_rank
@@ -218,7 +227,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
             optimizer.zero_grad()
             guard.begin()
             shared = batch.share if isinstance(batch, ReplicaBatch) else None
-            with precision():
+            health = Recorder(pipe) if cfg.health_every and step % cfg.health_every == 0 else None  # --health-every
+            with precision(), health or contextlib.nullcontext():
                 loss = float(pipe.step(batch.inputs, batch.target, share=shared))
 
             def again(seed: int = seed, batch: Any = batch, shared: Any = shared) -> Any:
@@ -226,7 +236,9 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                 with precision():
                     return locate(pipe, batch.inputs, batch.target, share=shared)
 
-            norms = grad_norms(pipe.parameters()) if cfg.clip_norm else None  # (read once: checked, then clipped)
+            # (read once: checked, then clipped; the health metrics' global norm is theirs, before clipping)
+            norms = grad_norms(pipe.parameters()) if cfg.clip_norm or health else None
+            report = health.result(norms) if health is not None else None
             # NaN or Inf: stops, or says why the update is skipped
             skipped = guard.check(step, loss, again, None if norms is None else [n for _, n in norms])
             if norms is not None and skipped is None:
@@ -246,6 +258,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                     rate: batch.count / seconds,
                     "bubble": bubble,
                 }
+                if report is not None:
+                    last.update(report.metrics())
                 if skipped is not None:
                     last["skipped"] = skipped
                 if guard.skips:
@@ -278,7 +292,7 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                         if isinstance(value, str):
                             board.add_text(name, value, step)
                         elif name != "step":
-                            board.add_scalar(name, value, step)
+                            board.add_scalar(name, math.nan if value is None else value, step)  # (None: NaN)
                 if bar is not None:
                     speed = {f"{data.unit}/s": f"{last[rate]:.0f}"}  # tokens/s or images/s
                     skips = {"skips": str(guard.skips)} if guard.skips else {}
@@ -322,6 +336,7 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
     checkpoints.finish()
     if process_rank() == 0:
         plot_curves(metrics_path, out / "loss.png", baseline, data.baseline_name)
+        plot_health(metrics_path, out / "grad_norm_ratio.png")  # (when --health-every logged any)
         final = last.get("loss")
         evaluated = f", {said}" if (said := eval_summary(last)) else ""
         print(

@@ -1,5 +1,6 @@
 """What ``gpipe train`` shows and leaves beside its metrics: TensorBoard's writer, the progress bar,
-the loss curves (``OUT/loss.png``) and the final BLEU table per language pair."""
+the loss curves (``OUT/loss.png``), the gradient-norm ratio (``OUT/grad_norm_ratio.png``) and the
+final BLEU table per language pair."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ __all__ = [
     "curves_figure",
     "eval_postfix",
     "eval_summary",
+    "health_figure",
     "plot_curves",
+    "plot_health",
     "progress_bar",
     "tensorboard_writer",
 ]
@@ -130,6 +133,45 @@ def curves_figure(rows: list[dict[str, Any]], baseline: float, baseline_name: st
         ax.set_xlabel("step")
         ax.set_ylabel("BLEU")
         ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_health(metrics: Path, path: Path) -> None:
+    """The training health's curves (:func:`health_figure`), if ``--health-every`` logged any."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    if not any("grad_norm" in r for r in rows):
+        return
+    fig = health_figure(rows)
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def health_figure(rows: list[dict[str, Any]]) -> Any:
+    """The figure of ``rows``' health steps: Bapna et al.'s gradient-norm ratio between the first and
+    the last block (large early, then flat when the lower layers train), and beside it the global
+    gradient norm before clipping; both on a log scale (a skipped step's None is a gap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    health = [r for r in rows if "grad_norm" in r]
+    steps = [r["step"] for r in health]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), squeeze=False, sharex=True)
+    for ax, key, label in (
+        (axes[0][0], "grad_norm_ratio", "‖∇h_first L‖ / ‖∇h_last L‖"),
+        (axes[0][1], "grad_norm", "gradient norm (before clipping)"),
+    ):
+        values = [math.nan if r.get(key) is None else r[key] for r in health]
+        ax.plot(steps, values, ".-", lw=1)
+        if any(v > 0 for v in values):  # (log of no positive value: matplotlib warns)
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(key)
     fig.tight_layout()
     return fig
 
