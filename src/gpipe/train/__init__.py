@@ -19,6 +19,7 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
     torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train  # a lost rank: the job goes on from its checkpoint
     gpipe train --on-nonfinite skip --max-skips 5  # a NaN or Inf is named where it appeared; its step skipped
+    gpipe train --eval-every 0 --out runs/x        # never pause to evaluate: gpipe eval --watch runs/x does, beside it
 
 Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair), every
 ``--health-every`` steps it logs the gradient norm, each layer's output-gradient norm and their ratio between
