@@ -200,6 +200,7 @@ def test_gpipe_train_logs_the_weights_and_translate_rebuilds_the_model(tmp_path:
 def test_a_run_saved_before_the_setting_is_not_transparent(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"config": {"model": "transformer", "layers": 2}}))
     assert TrainConfig(**saved_settings(tmp_path)).transparent is False
+    assert saved_settings(tmp_path)["transparent"] is False  # (so that --resume --transparent is named, and refused)
 
 
 @pytest.mark.parametrize("model", ["amoebanet", "hf"])

@@ -105,7 +105,8 @@ def delete_results(out: Path, keep: tuple[str, ...] = ()) -> list[str]:
 
 
 def saved_settings(checkpoint: Path) -> dict[str, Any]:
-    """The settings the run saved in ``checkpoint``'s ``run.json`` (those this version knows)."""
+    """The settings the run saved in ``checkpoint``'s ``run.json`` (those this version knows; one of
+    :data:`FIXED` it has not: the default)."""
     path = checkpoint / RUN
     try:
         config = json.loads(path.read_text())["config"]
@@ -117,7 +118,10 @@ def saved_settings(checkpoint: Path) -> dict[str, Any]:
             "afresh with another --out"
         ) from None
     kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
-    return {k: typed(k, v, kinds[k], where=str(path)) for k, v in config.items() if k in kinds}
+    # A setting of the model newer than the run (--transparent) is the default, what the run had without it:
+    # --resume then names it if it is given otherwise.
+    older = {f.name: f.default for f in fields(TrainConfig) if f.name in FIXED and f.name not in config}
+    return {**older, **{k: typed(k, v, kinds[k], where=str(path)) for k, v in config.items() if k in kinds}}
 
 
 def resumed_settings(given: dict[str, Any]) -> dict[str, Any]:
