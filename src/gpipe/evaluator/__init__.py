@@ -124,6 +124,7 @@ class _Job:
         self.out = Path(args.out) if args.out else run / "eval"
         self.evaluator: Evaluator | None = None
         self.results: Results | None = None
+        self.baseline = 0.0  # the data's baseline loss, on the curves
 
     @property
     def rank(self) -> int:
@@ -137,6 +138,7 @@ class _Job:
                                        length_penalty=a.length_penalty, eval_batches=a.eval_batches)  # fmt: skip
             if self.rank == 0:
                 self.results = Results(self.out, dataclasses.asdict(self.evaluator.settings))
+                self.baseline = self.evaluator.data.baseline()
                 if (left := self.evaluator.left_out) is not None:
                     print(f"note: no {left} with {self.evaluator.cfg.data_parallel} replicas", file=sys.stderr)
         step, error = self.evaluator.load(folder)
@@ -149,7 +151,7 @@ class _Job:
         if self.results is not None:
             self.results.add(row)
             data = self.evaluator.data
-            self.results.plot(self.run, data.baseline(), data.baseline_name)
+            self.results.plot(self.run, self.baseline, data.baseline_name)
             print(f"step {step}: {eval_summary(row)} ({self.out / 'metrics.jsonl'})", flush=True)
             if isinstance(data, TranslationDataset) and "bleu" in row and not self.args.watch:
                 print(bleu_table(row, data.pair_sizes))
