@@ -45,7 +45,7 @@ def start(case: str, world: int, out_dir: Path, **kwargs: Any) -> list[subproces
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),  # this checkout's gpipe and tests
         }
         out = out_dir / f"rank{rank}.pt"
         cmd = [sys.executable, "-m", "tests.dist_entry", case, str(out), json.dumps(kwargs)]
