@@ -61,7 +61,7 @@ def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor
 @pytest.mark.parametrize(("kind", "schedule"), CASES, ids=[f"{k}-{s}" for k, s in CASES])
 def test_sharded_pipeline_trains_as_the_plain_model(runs: Launches, kind: str, schedule: str) -> None:
     ranks = runs("train", f"{kind}-{schedule}")
-    plain = dist_fsdp.plain_run(kind, STEPS, LR)
+    plain = dist_fsdp.plain_reference(kind, STEPS, LR)
     assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
     for r in ranks:
         torch.testing.assert_close(r["losses"][0], plain["losses"][0], rtol=1e-6, atol=0)
@@ -83,7 +83,7 @@ def test_sharded_pipeline_trains_as_the_plain_model(runs: Launches, kind: str, s
         assert kinds[0] == "U" and kinds[-1] == "R"
     # Each rank keeps its share: the 2 replicas' shards of the parameters (of their gradients, Adam's
     # two moments) add up to the model's once.
-    total = sum(p.numel() for p in dist_fsdp.model_and_data(kind)[0].parameters())
+    total = plain["parameters"]
     elements = [r["elements"] for r in ranks]
     assert sum(e["parameters"] for e in elements) == sum(e["gradients"] for e in elements) == total
     assert sum(e["optimizer"] for e in elements) == 2 * total

@@ -43,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
 
 
 def _check(ranks: list[dict[str, Any]], kind: str, steps: int, lr: float) -> None:
-    plain = dist_fsdp.plain_run(kind, steps, lr)
+    plain = dist_fsdp.plain_reference(kind, steps, lr)
     for r in ranks:
         torch.testing.assert_close(r["losses"][0], plain["losses"][0], rtol=1e-6, atol=0)
         torch.testing.assert_close(torch.stack(r["losses"]), torch.stack(plain["losses"]), rtol=1e-5, atol=0)
@@ -59,7 +59,7 @@ def test_pipeline_times_tensor_parallel_trains_as_the_plain_model(runs: Launches
     ranks = runs("train", f"{kind}-{schedule}")
     _check(ranks, kind, STEPS, LR)
     # Each stage on 2 tp ranks: whole, the 4 ranks would hold the model twice; split, its projections once.
-    total = sum(p.numel() for p in dist_fsdp.model_and_data(kind)[0].parameters())
+    total = dist_fsdp.plain_reference(kind, STEPS, LR)["parameters"]
     held = sum(r["elements"]["parameters"] for r in ranks)
     assert total < held < 2 * total
     assert held == sum(r["elements"]["gradients"] for r in ranks)
@@ -83,7 +83,13 @@ def test_pipeline_times_fsdp_times_tensor_parallel(tmp_path: Path) -> None:
         assert r["collectives"] == {"all_gather": 1, "reduce_scatter": 1}
 
 
-def test_auto_plans() -> None:
+@pytest.fixture(scope="module")
+def llama() -> nn.Sequential:
+    """The Llama of dist_fsdp as layers (traced once: the tests below only read its plans)."""
+    return dist_fsdp.model_and_data("llama")[0]
+
+
+def test_auto_plans(llama: nn.Sequential) -> None:
     """gpipe's Transformer layers split by heads and feed-forward features; a Llama block by its
     Hugging Face plan; an embedding not at all."""
     layer = EncoderLayer(32, 64, 4, 0.0, 1.0, head_dim=8)
@@ -95,22 +101,20 @@ def test_auto_plans() -> None:
     assert decoder is not None and "cross_attn.k" in decoder and "self_attn.out_proj" in decoder
     assert plan_of(nn.Embedding(10, 4), 2, "auto") is None
 
-    model, _, _, _ = dist_fsdp.model_and_data("llama")
-    block = model[1]
+    block = llama[1]
     found = plan_of(block, 2, "auto")
     assert found is not None
     assert {n.rsplit(".", 1)[1] for n, s in found.items() if isinstance(s, RowwiseParallel)} == {"o_proj", "down_proj"}
     assert len(found) == 7
 
 
-def test_refusals() -> None:
+def test_refusals(llama: nn.Sequential) -> None:
     with pytest.raises(ValueError, match=r"nn\.MultiheadAttention.*build the Transformer with head_dim=dim // heads"):
         plan_of(EncoderLayer(32, 64, 4, 0.0, 1.0), 2, "auto")
     with pytest.raises(ValueError, match=r"tensor_parallel=3 does not divide the 4 heads of EncoderLayer\.attn"):
         plan_of(EncoderLayer(32, 64, 4, 0.0, 1.0, head_dim=8), 3, "auto")
-    model = dist_fsdp.model_and_data("llama")[0]
     with pytest.raises(ValueError, match=r"tensor_parallel=3 does not divide the model's num_attention_heads \(4\)"):
-        plan_of(model[1], 3, "auto")
+        plan_of(llama[1], 3, "auto")
     with pytest.raises(TypeError, match=r"tp_plan must be 'auto', a dict .* \(tp_plan: 'rows'\)"):
         check_plan("rows")
     with pytest.raises(TypeError, match=r"tp_plan must be"):
