@@ -399,9 +399,12 @@ def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
         send(channel, value)
 
     channels._Channel.send = spy  # type: ignore[method-assign]
-    pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
-    x, y = masked_data()
-    loss = pipe.step(x, y)
+    try:  # (put back: another case may follow in this process, tests/dist_entry.py's several)
+        pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
+        x, y = masked_data()
+        loss = pipe.step(x, y)
+    finally:
+        channels._Channel.send = send  # type: ignore[method-assign]
     return {"loss": loss, "grads": grads_of(pipe), "sent": sent}
 
 

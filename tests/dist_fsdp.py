@@ -3,6 +3,7 @@ data-parallel group (``Pipeline(fsdp=True)``), and the plain models they are com
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -70,7 +71,14 @@ def plain_run(kind: str, steps: int, lr: float) -> dict[str, Any]:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         losses.append(loss.detach())
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+@functools.cache
+def plain_reference(kind: str, steps: int, lr: float) -> dict[str, Any]:
+    """:func:`plain_run`'s results (and the model's parameter count), computed once per process: the
+    tests that compare several runs with one reference only read it."""
+    return plain_run(kind, steps, lr)
 
 
 @contextmanager

@@ -45,7 +45,7 @@ def start(case: str, world: int, out_dir: Path, **kwargs: Any) -> list[subproces
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),  # this checkout's gpipe and tests
         }
         out = out_dir / f"rank{rank}.pt"
         cmd = [sys.executable, "-m", "tests.dist_entry", case, str(out), json.dumps(kwargs)]
@@ -80,3 +80,51 @@ def run_ranks(case: str, world: int, out_dir: Path, *, timeout: float = 180, **k
     if any(c != 0 for c in codes):
         raise RanksFailedError(f"{case} on {world} ranks failed (exit codes {codes})", codes, outputs)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+Cases = dict[str, tuple[str, dict[str, Any]]]
+"""Cases of one launch: ``{key: (case, kwargs)}``, a case as :func:`run_ranks` names it."""
+
+
+def run_cases(world: int, out_dir: Path, cases: Cases, *, timeout: float = 180) -> dict[str, list[Any]]:
+    """Run several cases, ``{key: (case, kwargs)}``, one after the other in one launch of ``world``
+    ranks (each launch costs seconds: processes, ``import torch``, the process group); every rank
+    must succeed within ``timeout`` seconds for all of them. Each case's results by rank, by key."""
+    several = [(key, case, kwargs) for key, (case, kwargs) in cases.items()]
+    ranks = run_ranks("dist_entry:several", world, out_dir, timeout=timeout, cases=several)
+    return {key: [r[key] for r in ranks] for key in cases}
+
+
+class Launches:
+    """Groups of cases, ``{group: (world, cases)}``, each group run in one launch (:func:`run_cases`)
+    when a result of it is first asked for (a module-scoped fixture of the tests that check them:
+    tests that select a few cases start the launches they need alone), after the group it ``needs``
+    (``{group: earlier group}``: one that loads what the other saves, in other processes). A launch
+    that failed fails every check of its cases with its error, without starting again."""
+
+    def __init__(
+        self,
+        root: Path,
+        groups: dict[str, tuple[int, Cases]],
+        *,
+        timeout: float = 180,
+        needs: dict[str, str] | None = None,
+    ) -> None:
+        self.root, self.groups, self.timeout, self.needs = root, groups, timeout, needs or {}
+        self.done: dict[str, dict[str, list[Any]] | BaseException] = {}
+
+    def __call__(self, group: str, key: str) -> list[Any]:
+        """The results of case ``key`` of ``group``, by rank."""
+        if group in self.needs:
+            first = self.needs[group]
+            self(first, next(iter(self.groups[first][1])))
+        if group not in self.done:
+            world, cases = self.groups[group]
+            try:
+                self.done[group] = run_cases(world, self.root / group, cases, timeout=self.timeout)
+            except Exception as e:
+                self.done[group] = e
+        done = self.done[group]
+        if isinstance(done, BaseException):
+            raise AssertionError(f"the launch of {group!r} (case {key!r} among others) failed") from done
+        return done[key]

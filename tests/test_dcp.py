@@ -30,7 +30,7 @@ from gpipe import GPipe, Pipeline, load_checkpoint, save_checkpoint
 from gpipe.models import transformer
 from gpipe.saving import AsyncSave, CheckpointError, NoSpaceError, latest, layer_state
 from tests import dist_cases
-from tests.dist_harness import ROOT, run_ranks
+from tests.dist_harness import ROOT, Cases, Launches, run_ranks
 from tests.helpers import even
 
 VOCAB = 40
@@ -482,13 +482,25 @@ def test_a_process_killed_during_an_asynchronous_save_keeps_the_previous_checkpo
 # Several ranks (gloo): each writes its own stages' entries; one process loads them at any K.
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_saved_by_two_ranks_with_adam_resumes_in_one_process(tmp_path: Path, asynchronous: bool) -> None:
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Two ranks save with Adam's state, in the foreground ('sync') and in the background ('async'),
+    each into its own folder ('<case>/ckpt', a damaged copy in '<case>/damaged'): both in one launch
+    (each launch costs seconds)."""
+    root = tmp_path_factory.mktemp("two")
+    cases: Cases = {
+        how: ("train_and_save_with_optimizer", {"directory": str(root / how / "ckpt"), "steps": 2,
+              "asynchronous": how == "async", "damaged": str(root / how / "damaged")})
+        for how in ("sync", "async")
+    }  # fmt: skip
+    return Launches(root, {"2": (2, cases)}, timeout=200)
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_saved_by_two_ranks_with_adam_resumes_in_one_process(saved_by_two: Launches, how: str) -> None:
+    ranks = saved_by_two("2", how)
+    tmp_path = saved_by_two.root / how
     ckpt = tmp_path / "ckpt"
-    ranks = run_ranks(
-        "train_and_save_with_optimizer", 2, tmp_path / "a", timeout=120, directory=str(ckpt), steps=2,
-        asynchronous=asynchronous, damaged=str(tmp_path / "damaged"),
-    )  # fmt: skip
     step = ckpt / "step-00000002"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
     manifest = json.loads((step / "manifest.json").read_text())

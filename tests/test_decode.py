@@ -309,7 +309,7 @@ def test_every_rank_of_a_distributed_pipeline_decodes_alike(tmp_path: Path) -> N
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
         }
         cmd = [sys.executable, "-m", "tests.test_decode", str(tmp_path / f"rank{rank}.pt")]
         procs.append(

@@ -5,7 +5,6 @@ parameters, gradients and optimizer state on each rank."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from gpipe import Pipeline
 from tests import dist_fsdp
-from tests.dist_harness import run_ranks
+from tests.dist_harness import Cases, Launches
 
 CASES = [
     ("mlp", "zb-v"),
@@ -26,6 +25,33 @@ CASES = [
 ]
 STAGES = {"zb-v": 2, "interleaved-1f1b": 2}
 """Stages a rank holds under a schedule (1 for the others)."""
+STEPS, LR = 3, 1e-2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Every 4-rank run of this module, in two launches of 4 processes (each launch costs seconds):
+    'train' trains each case of CASES and the tied model sharded, and saves a checkpoint; 'load'
+    (other processes: nothing of the saving one's memory helps) loads it, and trains the tied model
+    replicated."""
+    root = tmp_path_factory.mktemp("fsdp")
+    ckpt = str(root / "ckpt")
+    train: Cases = {
+        f"{kind}-{schedule}": (
+            "dist_fsdp:sharded_train", {"kind": kind, "schedule": schedule, "dp": 2, "steps": STEPS, "lr": LR}
+        )
+        for kind, schedule in CASES
+    }  # fmt: skip
+    train["tied sharded"] = ("dist_fsdp:tied_train", {"steps": 3, "fsdp": True})
+    train["save"] = (
+        "dist_fsdp:split_save",
+        {"directory": ckpt, "steps": 2, "kind": "mlp", "dp": 2, "fsdp": True, "tp": 1, "chunks": 4},
+    )
+    load: Cases = {
+        "load": ("dist_fsdp:load_and_step", {"directory": ckpt, "dp": 2, "fsdp": True}),
+        "tied replicated": ("dist_fsdp:tied_train", {"steps": 3, "fsdp": False}),
+    }
+    return Launches(root, {"train": (4, train), "load": (4, load)}, timeout=280, needs={"load": "train"})
 
 
 def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor]:
@@ -33,10 +59,9 @@ def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize(("kind", "schedule"), CASES, ids=[f"{k}-{s}" for k, s in CASES])
-def test_sharded_pipeline_trains_as_the_plain_model(tmp_path: Path, kind: str, schedule: str) -> None:
-    steps, lr = 3, 1e-2
-    ranks = run_ranks("dist_fsdp:sharded_train", 4, tmp_path, kind=kind, schedule=schedule, dp=2, steps=steps, lr=lr)
-    plain = dist_fsdp.plain_run(kind, steps, lr)
+def test_sharded_pipeline_trains_as_the_plain_model(runs: Launches, kind: str, schedule: str) -> None:
+    ranks = runs("train", f"{kind}-{schedule}")
+    plain = dist_fsdp.plain_reference(kind, STEPS, LR)
     assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
     for r in ranks:
         torch.testing.assert_close(r["losses"][0], plain["losses"][0], rtol=1e-6, atol=0)
@@ -58,7 +83,7 @@ def test_sharded_pipeline_trains_as_the_plain_model(tmp_path: Path, kind: str, s
         assert kinds[0] == "U" and kinds[-1] == "R"
     # Each rank keeps its share: the 2 replicas' shards of the parameters (of their gradients, Adam's
     # two moments) add up to the model's once.
-    total = sum(p.numel() for p in dist_fsdp.model_and_data(kind)[0].parameters())
+    total = plain["parameters"]
     elements = [r["elements"] for r in ranks]
     assert sum(e["parameters"] for e in elements) == sum(e["gradients"] for e in elements) == total
     assert sum(e["optimizer"] for e in elements) == 2 * total
@@ -72,30 +97,25 @@ def test_fsdp_needs_data_parallel_replicas() -> None:
         Pipeline(model, [16], chunks=2, loss_fn=loss_fn, fsdp="yes")  # type: ignore[arg-type]
 
 
-def test_checkpoints_move_between_sharded_and_replicated_layouts(tmp_path: Path) -> None:
+def test_checkpoints_move_between_sharded_and_replicated_layouts(runs: Launches) -> None:
     """Saved at pp2 x fsdp2 (each replica writes its shards), resumed at pp2 x fsdp2 and in one
     process with 1 and 4 stages: the next step's loss is the uninterrupted run's."""
     from tests import dist_cases
 
-    ckpt = str(tmp_path / "ckpt")
-    ranks = run_ranks(
-        "dist_fsdp:split_save", 4, tmp_path / "a", directory=ckpt, steps=2, kind="mlp", dp=2, fsdp=True, tp=1, chunks=4
-    )
-    expected = ranks[0]["next"]
-    for r in run_ranks("dist_fsdp:load_and_step", 4, tmp_path / "b", directory=ckpt, dp=2, fsdp=True):
+    expected = runs("train", "save")[0]["next"]
+    for r in runs("load", "load"):
         assert r["step"] == 2
         torch.testing.assert_close(r["next"], expected, rtol=1e-6, atol=0)
     for workers in (1, 4):
-        one = dist_cases.load_with_optimizer_and_step(ckpt, workers=workers)
+        one = dist_cases.load_with_optimizer_and_step(str(runs.root / "ckpt"), workers=workers)
         torch.testing.assert_close(one["next"], expected, rtol=1e-6, atol=0)
 
 
-def test_tied_weights_and_dropout_across_sharded_stages(tmp_path: Path) -> None:
+def test_tied_weights_and_dropout_across_sharded_stages(runs: Launches) -> None:
     """The embedding on stage 0 and the output projection on stage 1 are one parameter, with dropout
     between: sharded, the copies stay equal, and the run is the replicated run's (dropout's numbers
     follow (layer, micro-batch), not the layout: the losses bitwise)."""
-    sharded = run_ranks("dist_fsdp:tied_train", 4, tmp_path / "s", steps=3, fsdp=True)
-    replicated = run_ranks("dist_fsdp:tied_train", 4, tmp_path / "r", steps=3, fsdp=False)
+    sharded, replicated = runs("train", "tied sharded"), runs("load", "tied replicated")
     copies = {n: v for r in sharded for n, v in r["copies"].items()}
     assert set(copies) == {"0.weight", "5.weight"}
     assert torch.equal(copies["0.weight"], copies["5.weight"])

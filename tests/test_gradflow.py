@@ -4,7 +4,6 @@ on something that does (a float attention mask does not), and nothing is compute
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from gpipe import GPipe, Pipeline
 from gpipe.runtime.stage import Stage
 from tests.dist_cases import masked_data, masked_loss, masked_model
-from tests.dist_harness import run_ranks
+from tests.dist_harness import Cases, Launches
 from tests.helpers import assert_all_close, grads
 
 
@@ -79,9 +78,17 @@ def test_values_that_need_gradients_still_get_them() -> None:
     assert_all_close(grads(pipe), grads(model), rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def across(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """A step of the masked model on two ranks with each checkpoint mode, both in one launch (each
+    launch costs seconds)."""
+    cases: Cases = {c: ("masked_step", {"schedule": "1f1b", "checkpoint": c}) for c in ("never", "always")}
+    return Launches(tmp_path_factory.mktemp("masked"), {"2": (2, cases)})
+
+
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_mask_gradient_is_not_sent_between_ranks(tmp_path: Path, checkpoint: str) -> None:
-    ranks = run_ranks("masked_step", 2, tmp_path, schedule="1f1b", checkpoint=checkpoint)
+def test_mask_gradient_is_not_sent_between_ranks(across: Launches, checkpoint: str) -> None:
+    ranks = across("2", checkpoint)
     loss, expected = plain_grads()
     merged = {n: g for r in ranks for n, g in r["grads"].items()}  # partitions.<stage>.<layer>.<name>
     by_plain = {n.split(".", 2)[2]: g for n, g in merged.items()}

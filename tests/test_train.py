@@ -58,13 +58,26 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert [s for s, _ in losses(tmp_path / "part")] == list(range(1, 41))
 
 
+@pytest.fixture(scope="module")
+def run_and_half(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of 24 steps ('full') and the same run stopped at its checkpoint of step 12 ('part'), at
+    the default K=2: what each resume at another K below starts from (a copy of 'part') and must give."""
+    root = tmp_path_factory.mktemp("resume")
+    train(quick(root / "full", steps=24, checkpoint_every=12, eval_every=12))
+    train(quick(root / "part", steps=12, checkpoint_every=12, eval_every=12))
+    return root
+
+
 @pytest.mark.parametrize("partitions", [1, 4])
-def test_resume_at_another_partition_count_continues_exactly(tmp_path: Path, partitions: int) -> None:
+def test_resume_at_another_partition_count_continues_exactly(
+    run_and_half: Path, tmp_path: Path, partitions: int
+) -> None:
     # the optimizer's state is keyed by global parameter name: a K=2 checkpoint resumes at K=1 and K=4
-    train(quick(tmp_path / "full", steps=24, checkpoint_every=12, eval_every=12))
-    train(quick(tmp_path / "part", steps=12, checkpoint_every=12, eval_every=12))
+    import shutil
+
+    shutil.copytree(run_and_half / "part", tmp_path / "part")
     train(quick(tmp_path / "part", steps=24, checkpoint_every=12, eval_every=12, resume=True, partitions=partitions))
-    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    assert losses(tmp_path / "part") == losses(run_and_half / "full")
 
 
 def test_background_checkpoints_hold_what_a_foreground_save_holds(tmp_path: Path) -> None:
