@@ -102,6 +102,8 @@ def pipeline_layers(model: nn.Module, sample: Tensor) -> nn.Sequential:
     except ValueError as exc:
         layers = to_sequential(model, sample)
         layers.cannot_generate = str(exc)  # type: ignore[assignment]  # (a plain attribute, as cached_layers' generation)
+    if len(layers) < 3:  # (a one-block model traced into fewer layers: the ratio's blocks are the fallback's)
+        return layers
     return mark_blocks(layers, 1, len(layers) - 2)  # (the gradient-norm ratio: the first and last blocks)
 
 
