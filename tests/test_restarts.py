@@ -72,7 +72,7 @@ def launch(out: Path, torchrun: tuple[str, ...], *train: str) -> subprocess.Pope
 
 
 def strip(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if not k.endswith("_per_s")}
+    return {k: v for k, v in r.items() if not k.endswith("_per_s") and k != "elapsed_s"}
 
 
 def restart_of(out: Path) -> dict[str, Any]:

@@ -200,11 +200,13 @@ def _agreed(gather: Callable[[Any], list[Any]], name: str, load: Callable[[], No
     return next((problem for _, problem, _ in outcomes if problem is not None), None)
 
 
-def truncate_metrics(path: Path, start: int) -> None:
+def truncate_metrics(path: Path, start: int) -> float:
     """Drop metrics of steps at or after ``start`` (a resumed run writes them again), and a torn last
-    line (a crash in the middle of writing it)."""
+    line (a crash in the middle of writing it). Returns the kept rows' last ``elapsed_s`` (the seconds
+    the run had trained; 0 for none), which a resumed run counts on from."""
     if not path.exists():
-        return
+        return 0.0
+    elapsed = 0.0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     kept = []
     for i, line in enumerate(lines):
@@ -219,7 +221,9 @@ def truncate_metrics(path: Path, start: int) -> None:
             ) from None
         if step < start:
             kept.append(line)
+            elapsed = float(row.get("elapsed_s") or elapsed)
     write_atomically(path, lambda p: p.write_text("".join(line + "\n" for line in kept)))
+    return elapsed
 
 
 class Interrupts:

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from gpipe.train.metrics import (
     bleu_table,
     eval_postfix,
     eval_summary,
+    hparams_end,
     plot_curves,
     plot_health,
     progress_bar,
@@ -57,8 +58,16 @@ from gpipe.train.setup import make_data, make_losses, make_model, make_optimizer
 __all__ = ["one_run", "train"]
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+OnEval = Callable[[int, dict[str, Any]], bool]
+
+
+def train(cfg: TrainConfig, *, on_eval: OnEval | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the final metrics. One run at a time per ``cfg.out``.
+
+    ``on_eval(step, metrics)``: called on every rank after each evaluation with the step's metrics (its
+    line of ``metrics.jsonl``, already written); True stops the run after that step, as if ``--steps``
+    were that step (its checkpoint is written, the returned metrics say ``"stopped": step``). Every rank
+    must return the same answer (``gpipe sweep``'s pruning: the trial's answer, broadcast by rank 0).
 
     ``cfg.resume``: from the newest checkpoint, saying which settings differ from the run's (see
     :func:`~gpipe.train.resume.resume_point`); a finished run says so and returns its last metrics.
@@ -89,7 +98,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         watch = watch_peers(cfg.timeout, functools.partial(record_failure, out, "lost"))
         try:
             with watch if int(os.environ.get("WORLD_SIZE", "1")) > 1 else contextlib.nullcontext():
-                result = _train(cfg, restart)
+                result = _train(cfg, restart, on_eval)
         except NonFiniteError as exc:
             record_failure(out, "nonfinite", str(exc), exc.step)
             raise
@@ -125,11 +134,11 @@ def _last_metrics(path: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def one_run(out: Path) -> Iterator[None]:
+def one_run(out: Path, command: str = "gpipe train") -> Iterator[None]:
     """Hold ``OUT/.lock`` (an exclusive ``flock``, with this process's PID in it) for the run: a
-    second run on the same ``--out`` is refused, naming the first. The kernel releases the lock
-    when the process ends, however it ends, so a crash leaves no stale lock. Under torchrun rank 0
-    holds it for the job."""
+    second run on the same ``--out`` is refused, naming the first (``command``: what runs there). The
+    kernel releases the lock when the process ends, however it ends, so a crash leaves no stale lock.
+    Under torchrun rank 0 holds it for the job."""
     if int(os.environ.get("RANK", "0")) != 0:  # (the process group does not exist yet)
         yield
         return
@@ -144,7 +153,7 @@ def one_run(out: Path) -> Iterator[None]:
             lock.seek(0)
             pid = lock.read().strip() or "unknown"
             raise ConfigError(
-                f"another gpipe train (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
+                f"another {command} (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
                 "stop it, or give another --out"
             ) from None
         lock.seek(0)
@@ -156,7 +165,7 @@ def one_run(out: Path) -> Iterator[None]:
         lock.close()  # closing releases the lock
 
 
-def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) -> dict[str, Any]:
     out = Path(cfg.out)
     distributed = init_from_env(cfg.timeout)  # (before the data: rank 0 alone trains a vocabulary)
     if distributed:  # every rank has decided whether it restarts the job: then rank 0 marks OUT as the job's
@@ -205,8 +214,8 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
             print(said, file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    if process_rank() == 0:
-        truncate_metrics(metrics_path, start)
+    trained = truncate_metrics(metrics_path, start) if process_rank() == 0 else 0.0  # (the seconds before a resume)
+    began_run = time.perf_counter()
     baseline = data.baseline()
     rate = f"{data.unit}_per_s"
     bubble = simulate(pipe.schedule_for(cfg.chunks)).bubble
@@ -215,6 +224,7 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
     last: dict[str, Any] = {}
     shown: dict[str, str] = {}  # the latest evaluation, in the progress bar
     done = start - 1  # the last step whose update is complete: what a checkpoint holds
+    stop = False  # on_eval said so
     interrupts = Interrupts()
     # the next batches are made while a step computes (a thread, or --workers processes)
     make = functools.partial(train_batch, data, cfg, pipe.dp_rank)  # (a replica reads its share alone)
@@ -284,11 +294,16 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                     if cfg.transparent:  # the learned mixes (every rank: shared by the rank that holds them)
                         last.update(transparent_weights(pipe))
                     shown = eval_postfix(last)
+                last["elapsed_s"] = trained + time.perf_counter() - began_run  # (wall time, the resumes' summed)
                 if process_rank() == 0:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(last) + "\n")
+                if on_eval is not None and "eval_loss" in last:
+                    stop = on_eval(step, last)
                 if board is not None:
                     for name, value in last.items():
+                        if name == "elapsed_s":
+                            continue  # (TensorBoard keeps each value's wall time)
                         if isinstance(value, str):
                             board.add_text(name, value, step)
                         elif name != "step":
@@ -300,8 +315,12 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
                     bar.update(1)
             if restart is not None and step == start and process_rank() == 0:
                 restart.log(time.time(), start - 1)  # (OUT/restarts.jsonl: the time from the failure to this step)
+            if stop:
+                break  # (the checkpoint of this step is written below)
             if step % cfg.checkpoint_every == 0:
                 checkpoints.save(step, background=True)
+        if board is not None:
+            hparams_end(board)  # (the last steps done, or stopped by on_eval: the session ended, not lost)
     except BatchError as exc:  # bad data found mid-run (an image that cannot be read): one line, as a bad flag
         checkpoints.finish()
         kept = f"; the checkpoint of step {checkpoints.saved} is kept: fix the data, then --resume"
@@ -347,4 +366,4 @@ def _train(cfg: TrainConfig, restart: Restart | None) -> dict[str, Any]:
             print(f"sample: {last['sample']}")
         if isinstance(data, TranslationDataset) and "bleu" in last:
             print(bleu_table(last, data.pair_sizes))
-    return {**last, "baseline": baseline}
+    return {**last, "baseline": baseline, **({"stopped": done} if stop else {})}

@@ -1,9 +1,11 @@
-"""What ``gpipe train`` shows and leaves beside its metrics: TensorBoard's writer, the progress bar,
+"""What ``gpipe train`` shows and leaves beside its metrics: TensorBoard's writer (with the run's
+settings for the HParams tab), the progress bar,
 the loss curves (``OUT/loss.png``), the gradient-norm ratio (``OUT/grad_norm_ratio.png``) and the
 final BLEU table per language pair."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,11 +16,13 @@ from gpipe.train.config import TrainConfig, has_tensorboard
 from gpipe.train.setup import process_rank
 
 __all__ = [
+    "HPARAM_METRICS",
     "bleu_table",
     "curves_figure",
     "eval_postfix",
     "eval_summary",
     "health_figure",
+    "hparams_end",
     "plot_curves",
     "plot_health",
     "progress_bar",
@@ -26,14 +30,42 @@ __all__ = [
 ]
 
 
+# The metrics TensorBoard's HParams tab shows beside a run's settings, per model (scalars the run logs)
+HPARAM_METRICS = {
+    "transformer": ("loss", "eval_loss", "bleu"),
+    "amoebanet": ("loss", "eval_loss", "eval_accuracy"),
+    "hf": ("loss", "eval_loss", "eval_perplexity"),
+}
+_NOT_HPARAMS = ("out", "resume", "overwrite", "progress", "tensorboard")  # where and how, not what is trained
+
+
 def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
     """TensorBoard's writer of OUT/tensorboard on rank 0 (None when off, or auto without the package).
-    A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does."""
+    A resumed run purges what an earlier run wrote from its first step on, as metrics.jsonl does.
+
+    It starts with the run's settings as an HParams session (every setting but where and how the run
+    writes), whose metrics are :data:`HPARAM_METRICS`' scalars: ``tensorboard --logdir`` over many runs
+    (a sweep's trials) shows them as one table of settings and metrics in the HParams tab."""
     if process_rank() != 0 or cfg.tensorboard == "off" or not has_tensorboard():
         return None
     from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
 
-    return SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
+    writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_HPARAMS}
+    metrics = dict.fromkeys(HPARAM_METRICS[cfg.model], 0.0)
+    experiment, start_info, _ = hparams(settings, metrics)  # type: ignore[no-untyped-call]
+    for summary in (experiment, start_info):
+        writer._get_file_writer().add_summary(summary)  # type: ignore[no-untyped-call]
+    return writer
+
+
+def hparams_end(writer: Any) -> None:
+    """The HParams session of :func:`tensorboard_writer` ended: the run is done (or stopped by
+    ``gpipe sweep``'s pruner), not lost."""
+    from torch.utils.tensorboard.summary import hparams
+
+    writer._get_file_writer().add_summary(hparams({}, {})[2])  # type: ignore[no-untyped-call]
 
 
 def progress_bar(cfg: TrainConfig, start: int) -> Any:

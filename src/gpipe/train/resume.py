@@ -66,7 +66,7 @@ _INVOCATION = ("resume", "overwrite", "out", "progress", "timeout")
 
 # What a run writes into OUT: another run there would write over it (OUT/vocab.model, which
 # `gpipe vocab` may have put there, is an input, not a result).
-RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "restarts.jsonl", "eval")
+RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "grad_norm_ratio.png", "restarts.jsonl", "eval")
 
 
 def earlier_run(out: Path) -> list[str]:
