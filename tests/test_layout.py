@@ -25,11 +25,21 @@ LIBRARY = frozenset({
 })  # fmt: skip
 APPLICATIONS = frozenset({
     "models", "recipe", "data", "decode", "evaluation", "evaluator", "translate", "generate", "export", "train",
-    "bench", "demo", "commands", "cli", "__main__",
+    "bench", "demo", "commands", "sweep", "runs", "cli", "__main__",
 })  # fmt: skip
 
 # What the applications need and the library must not pull in.
-HEAVY = ("sentencepiece", "sacrebleu", "matplotlib", "tensorboard", "transformers", "tqdm", "PIL", "torchvision")
+HEAVY = (
+    "sentencepiece",
+    "sacrebleu",
+    "matplotlib",
+    "tensorboard",
+    "transformers",
+    "tqdm",
+    "PIL",
+    "torchvision",
+    "optuna",
+)
 
 MAX_LINES = 500
 

@@ -2,6 +2,8 @@
 its parser (``gpipe COMMAND -h`` lists them).
 
 - ``gpipe train``: the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM (:mod:`gpipe.train`).
+- ``gpipe sweep``: a hyper-parameter search over ``gpipe train``'s settings with Optuna (:mod:`gpipe.sweep`).
+- ``gpipe runs``: the runs under some folders side by side, settings and results (:mod:`gpipe.runs`).
 - ``gpipe eval``: a run's checkpoints evaluated apart from its training, once or as they come (:mod:`gpipe.evaluator`).
 - ``gpipe translate``: sentences through a checkpoint of ``gpipe train --data DIR`` (:mod:`gpipe.translate`).
 - ``gpipe generate``: prompts continued by a checkpoint of ``gpipe train --model hf`` (:mod:`gpipe.generate`).
@@ -25,6 +27,8 @@ __all__ = ["COMMANDS", "main"]
 
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
+    "sweep": "search gpipe train's settings with Optuna: SPACE.toml's trials, pruned, one after another (see -h)",
+    "runs": "the runs under some folders (a sweep's trials) side by side: settings and results (see -h)",
     "eval": "evaluate a run's checkpoints apart from training: once, or --watch as they come (see -h)",
     "translate": "translate sentences with a checkpoint of gpipe train --data DIR (see -h)",
     "generate": "continue prompts with a checkpoint of gpipe train --model hf on text (see -h)",
@@ -50,6 +54,10 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
     """The command's entry point, imported now that it runs."""
     if name == "train":
         from gpipe.train import main
+    elif name == "sweep":
+        from gpipe.sweep import main
+    elif name == "runs":
+        from gpipe.runs import main
     elif name == "eval":
         from gpipe.evaluator import main
     elif name == "translate":

@@ -1,0 +1,106 @@
+"""What a sweep leaves beside its trials: ``DIR/results.md``, a row per trial (its settings, steps,
+final loss, best metric, wall time and state, a failed trial's error), and ``DIR/best.toml``, the fixed
+settings with the best trial's, which ``gpipe train --config`` takes. Both rewritten after each trial."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from gpipe.runs.folder import duration, read_run
+from gpipe.saving.folders import write_atomically
+from gpipe.train.checks import flag
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gpipe.sweep.settings import SweepSettings
+    from gpipe.sweep.space import Space
+
+__all__ = ["toml_value", "write_best", "write_results"]
+
+_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "interrupted",
+           "WAITING": "waiting"}  # fmt: skip
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) -> None:
+    """``out/results.md``: the sweep's settings, then one row per trial of ``study``."""
+    trials = study.get_trials(deepcopy=False)
+    names = [d.name for d in space.search]
+    s = settings
+    best = _best(study)
+    lines = [
+        f"# gpipe sweep {out}",
+        "",
+        f"- space: `{space.path}`: {'; '.join(d.describe() for d in space.search)}",
+        f"- metric: {s.metric} ({s.direction}; a trial's value is its best evaluation)",
+        f"- sampler: {s.sampler} (seed {s.seed}); pruner: {s.pruner}"
+        + (f" (after {s.startup_trials} complete trials)" if s.pruner == "median" else ""),
+        f"- trials: {len(trials)} of {s.trials}"
+        + (f"; best: trial {best.number}, {s.metric} {best.value:.4g} (`best.toml`)" if best is not None else ""),
+        "",
+        "| trial | state | " + " | ".join(map(flag, names)) + f" | steps | final loss | best {s.metric} | wall time |",
+        "|---" * (len(names) + 6) + "|",
+    ]
+    errors = []
+    for t in trials:
+        run = read_run(out / f"trial-{t.number:03d}")
+        state = _STATES.get(t.state.name, t.state.name.lower())
+        value = t.value if t.state.name == "COMPLETE" else _reported(t, s.direction)
+        cells = [str(t.number), state, *(_number(t.params.get(n)) for n in names), str(run.steps),
+                 _number(run.loss), _number(value), duration(run.elapsed)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+        if error := t.user_attrs.get("error"):
+            errors.append(f"- trial {t.number}: {error}")
+    if errors:
+        lines += ["", "Failed trials:", "", *errors]
+    write_atomically(out / "results.md", lambda p: p.write_text("\n".join(lines) + "\n"))
+
+
+def _reported(trial: Any, direction: str) -> float | None:
+    """The best value a trial reported before it was pruned or stopped."""
+    values = [float(v) for v in trial.intermediate_values.values() if math.isfinite(v)]
+    if not values:
+        return None
+    return max(values) if direction == "maximize" else min(values)
+
+
+def _best(study: Any) -> Any:
+    try:
+        return study.best_trial
+    except ValueError:  # (no complete trial yet)
+        return None
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (a setting: bool, int, float or str) written as TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # (a TOML basic string: JSON's escapes are TOML's)
+
+
+def write_best(out: Path, study: Any, space: Space, settings: SweepSettings) -> None:
+    """``out/best.toml``: the fixed settings and the best complete trial's; nothing before there is one."""
+    best = _best(study)
+    if best is None:
+        return
+    lines = [
+        f"# gpipe sweep {out}: trial {best.number}, the best {settings.metric} ({settings.direction}): "
+        f"{best.value:.6g}",
+        f"# its run: {out / f'trial-{best.number:03d}'}. Train with these settings:",
+        f"#   gpipe train --config {out / 'best.toml'} --out runs/best",
+    ]
+    settings_ = {**space.fixed, **best.params}
+    lines += [f"{flag(name)} = {toml_value(value)}" for name, value in settings_.items()]
+    write_atomically(out / "best.toml", lambda p: p.write_text("\n".join(lines) + "\n"))
