@@ -52,7 +52,8 @@ from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
-from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig, read_config_file
+from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig
+from gpipe.train.config_file import read_config_file
 from gpipe.train.guard import EXIT_NONFINITE, NonFiniteError
 from gpipe.train.initial import started_settings
 from gpipe.train.loop import one_run, train

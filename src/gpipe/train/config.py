@@ -1,15 +1,12 @@
 """The settings of ``gpipe train``: :class:`TrainConfig` (its fields are the flags) and its checks,
 the errors they raise (:class:`ConfigError`, :class:`ConfigTypeError`, from :mod:`gpipe.train.checks`
-with the checks of one setting), the choices (models, optimizers, schedules, precisions, ...) and the
-reading of a ``--config`` file (TOML or JSON)."""
+with the checks of one setting) and the choices (models, optimizers, schedules, precisions, ...). A
+``--config`` file is read by :mod:`gpipe.train.config_file`."""
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
-import json
 import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,6 @@ __all__ = [
     "checkpoint_to_resume",
     "has_tensorboard",
     "newest_checkpoint",
-    "read_config_file",
 ]
 
 V_SCHEDULES = ("zb-v", "dualpipev", "v-half", "v-min")  # two stages per worker
@@ -465,27 +461,3 @@ class TrainConfig:
                 where = f"--hf-config {self.hf_config!r}" if self.hf_config else f"--init {self.init!r}'s config"
             return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """The settings of a TOML or JSON file, each a known setting of its field's type."""
-    try:
-        text = Path(path).read_text()
-        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the config file {path!r}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"the config file {path!r} holds a {type(data).__name__}; it must hold an object of settings, "
-            'e.g. {"steps": 500, "partitions": 4}'
-        )
-    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
-    settings = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in kinds:
-            close = difflib.get_close_matches(name, kinds, n=3)
-            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(kinds)}"
-            raise ConfigError(f"unknown setting {key!r} in the config file {path!r}; {hint}")
-        settings[name] = typed(key, value, kinds[name], where=path)
-    return settings
