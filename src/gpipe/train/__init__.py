@@ -65,8 +65,8 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 
 # The flags of -h in groups (every TrainConfig field in one; tests/test_train.py holds it).
 _GROUPS = {
-    "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "filters",
-              "classes", "image_size", "dropout", "logit_clip", "transparent"),
+    "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
+              "filters", "reference_cells", "classes", "image_size", "dropout", "logit_clip", "transparent"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",

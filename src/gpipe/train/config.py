@@ -116,7 +116,21 @@ class TrainConfig:
     hidden: int = field(default=256, metadata={"help": "transformer: H, the feed-forward size"})
     heads: int = field(default=4, metadata={"help": "transformer: A, the attention heads"})
     dim: int = field(default=64, metadata={"help": "transformer: the model dimension"})
+    head_dim: int = field(
+        default=0,
+        metadata={
+            "help": "transformer: the width of every attention head (0: dim / heads); the paper's 32-head models "
+            "have heads of 64 in a 1024-wide model"
+        },
+    )
     filters: int = field(default=16, metadata={"help": "amoebanet: D, the filters of the first stack"})
+    reference_cells: bool = field(
+        default=False,
+        metadata={
+            "help": "amoebanet: the cells of the TPU reference implementation, which meet the paper's parameter "
+            "counts (normal cells also concatenate their input, 4D wide; the reduction's 3x3 a bottleneck)"
+        },
+    )
     classes: int = field(default=10, metadata={"help": "amoebanet: classes of the synthetic images (--data: its own)"})
     image_size: int = field(
         default=32,
@@ -383,8 +397,16 @@ class TrainConfig:
             )
         if self.classes < 2:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
-        if self.dim % self.heads:
-            raise ConfigError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+        if self.head_dim < 0:
+            raise ConfigError(f"--head-dim must be positive, or 0 for --dim / --heads (got {self.head_dim})")
+        if self.dim % self.heads and not self.head_dim:
+            raise ConfigError(
+                f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads}), or give --head-dim"
+            )
+        if self.reference_cells and self.model != "amoebanet":
+            raise ConfigError(
+                f"--reference-cells builds the cells of --model amoebanet (model: {self.model!r}); leave it out"
+            )
         if self.transparent and self.model != "transformer":
             raise ConfigError(
                 f"--transparent mixes the encoder layers of --model transformer for its decoder (model: "
