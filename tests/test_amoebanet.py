@@ -42,6 +42,22 @@ def test_cells_double_the_filters_and_halve_the_resolution() -> None:
     assert sizes == [(8, 8, 8), (24, 8, 8), (48, 4, 4), (48, 4, 4), (96, 2, 2), (96, 2, 2)]
 
 
+def test_reference_cells_concatenate_four_states_in_normal_cells_and_a_bottleneck_3x3() -> None:
+    """The TPU reference implementation's cells: a normal cell's output also holds its (width-C) input,
+    4C channels (reduction cells stay 3C), and the reduction's 3x3 convolution is a C/4 bottleneck."""
+    model = tiny(reference_cells=True)
+    x = torch.randn(2, 3, 16, 16)
+    sizes = []
+    for layer in model[:-1]:
+        x = layer(x)
+        sizes.append(tuple(x[1].shape[1:]))
+    assert sizes == [(8, 8, 8), (32, 8, 8), (48, 4, 4), (64, 4, 4), (96, 2, 2), (128, 2, 2)]
+    reduction = next(m for m in model if isinstance(m, Cell) and m.reduction)
+    convs = [m for m in reduction.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert [(c.in_channels, c.out_channels) for c in convs] == [(4, 4)]  # C=16: the 3x3 at C/4
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 5)
+
+
 @pytest.mark.parametrize(
     ("config", "paper"),
     [((18, 208), 82e6), ((18, 416), 318e6), ((18, 544), 542e6), ((36, 544), 1.05e9), ((72, 512), 1.8e9)],

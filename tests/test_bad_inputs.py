@@ -158,6 +158,9 @@ def test_a_bug_in_training_keeps_its_traceback(tmp_path: Path, monkeypatch: pyte
         ({"eval_every": -1}, ValueError, "--eval-every must be 0 (never) or positive (got -1)"),
         ({"label_smoothing": 1.5}, ValueError, "(got 1.5)"),
         ({"schedule": "zigzag"}, ValueError, "unknown schedule 'zigzag'"),
+        ({"head_dim": -8}, ValueError, "--head-dim must be positive, or 0 for --dim / --heads (got -8)"),
+        ({"dim": 60, "heads": 8}, ValueError, "--dim must be a multiple of --heads (dim: 60, heads: 8), or give"),
+        ({"reference_cells": True}, ValueError, "--reference-cells builds the cells of --model amoebanet (model: 'tr"),
     ],
 )
 def test_config_check_refuses(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -165,6 +168,10 @@ def test_config_check_refuses(kwargs: dict[str, Any], error: type[Exception], me
         TrainConfig(**kwargs).check()
     assert message in str(info.value)
     assert isinstance(info.value, ConfigError)
+
+
+def test_head_dim_frees_the_model_dimension_from_the_heads() -> None:
+    TrainConfig(dim=60, heads=8, head_dim=16).check()  # (attention 128 wide in a 60-wide model)
 
 
 def test_parse_converts_ints_of_float_settings(tmp_path: Path) -> None:

@@ -111,6 +111,17 @@ def test_misses_are_stated_from_the_numbers() -> None:
     assert _misses([])[-1] == "- Nothing measured in this run misses its target."
 
 
+def test_the_memory_section_takes_transformer_l_from_the_papers_configurations() -> None:
+    table = memory.paper_transformer_l()
+    assert table.sizes == {"n_embd": 2048, "n_inner": 8192, "n_head": 32, "vocab_size": 32000, "n_positions": 1024,
+                           "batch": 32, "chunks": 32}  # fmt: skip
+    assert table.rows == {"naive-1": (3, "282.2M"), "pipeline-1": (13, "785.8M"), "pipeline-8": (103, "5.3B"),
+                          "pipeline-32": (415, "21.0B"), "pipeline-128": (1663, "83.9B")}  # fmt: skip
+    naive = {"projected": {"naive-1": 2}, "projected_bf16": {"naive-1": 2}, "paper_blocks": {"naive-1": 3}}
+    text = "\n".join(_misses([Section("Memory (Table 1)", "", [], naive)]))
+    assert "fits 2 blocks in 16 GB here against the paper's 3" in text
+
+
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="repeats must be positive"):
         run(tmp_path, only=["overhead"], repeats=-1)

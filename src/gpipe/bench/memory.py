@@ -14,10 +14,12 @@ samples (``ActivationMeter``); f_l, what does not grow with the batch, is under 
 low-precision copies of the weights that the matmuls keep. The largest model is the largest number of
 Transformer blocks (decoder-only, embedding on the first stage, output on the last) with every stage
 under the budget. *Measured*: that model is built and a real ``Pipeline`` step records each stage's
-peak activation bytes. *Projected*: the same model of memory for the paper's Transformer-L (model dim
-2048, feed-forward 8192, 32 heads, vocabulary 32k, 1024 tokens, batch 32) on 16 GB, from a_l measured
-on one and two sentences of the real layer, with its activations in fp32 and in bf16 (autocast; the
-weights, their gradients and the optimizer's state stay fp32: the 12 bytes per parameter).
+peak activation bytes. *Projected*: the same model of memory for the paper's Transformer-L on 16 GB,
+from a_l measured on one and two sentences of the real layer, with its activations in fp32 and in
+bf16 (autocast; the weights, their gradients and the optimizer's state stay fp32: the 12 bytes per
+parameter). Its sizes (model dim 2048, feed-forward 8192, 32 heads, vocabulary 32k, 1024 tokens,
+batch 32, M), and the paper's layers and parameters of each Table 1 column, are those of the paper's
+configurations ``configs/transformer-l-*.toml`` (:func:`paper_transformer_l`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,42 @@ from gpipe.balance import layer_memory
 from gpipe.bench.common import Bench, Section, token_loss
 from gpipe.models import transformer_lm
 from gpipe.pipeline import Pipeline
+from gpipe.train import paper
 
-__all__ = ["MemoryModel", "run"]
+__all__ = ["MemoryModel", "PaperRows", "paper_transformer_l", "run"]
 
 BYTES_PER_PARAM = 12
-PAPER_TRANSFORMER = {"naive-1": 3, "pipeline-1": 13, "pipeline-8": 103, "pipeline-32": 415, "pipeline-128": 1663}
+
+
+@dataclass(frozen=True)
+class PaperRows:
+    """Table 1's Transformer-L from the paper's configurations: ``sizes`` (the model's dim, feed-forward,
+    heads, vocabulary and sequence length, as its transformers config names them, with the batch and
+    the pipelines' M) and, by column (``"pipeline-8"``), the paper's layers and parameter count."""
+
+    sizes: dict[str, int]
+    rows: dict[str, tuple[int, str]]
+
+
+def paper_transformer_l() -> PaperRows:
+    """The Table 1 rows of ``configs/`` (``--model hf`` files with a ``column``): one model, its depth
+    per column; a file whose sizes differ from the others' is refused."""
+    sizes: dict[str, int] = {}
+    rows: dict[str, tuple[int, str]] = {}
+    for name in paper.names():
+        config = paper.read(name)
+        if config.settings.get("model") != "hf" or not config.column:
+            continue
+        hf = config.hf_settings()
+        these = {k: int(hf[k]) for k in ("n_embd", "n_inner", "n_head", "vocab_size", "n_positions")}
+        these["batch"] = int(config.settings["batch"])
+        if config.settings.get("checkpoint") != "never":  # (naive training runs the batch whole: M=1)
+            these["chunks"] = int(config.settings["chunks"])
+        if any(sizes.get(k, v) != v for k, v in these.items()):
+            raise ValueError(f"the paper's configuration {name!r} sizes Transformer-L {these}, the others {sizes}")
+        sizes |= these
+        rows[config.column.lower()] = (int(hf["n_layer"]), config.parameters)
+    return PaperRows(sizes, rows)
 
 
 @dataclass(frozen=True)
@@ -176,28 +209,31 @@ def run(bench: Bench, out: Path) -> Section:
         naive = [r for r in data["measured"] if r["budget_mib"] == budget / mib]
         grow = naive[-1]["blocks"] / max(naive[0]["blocks"], 1)
         lines.append(f"| | pipeline-8 / naive-1 | x{grow:.0f} | | | | | | |")
-    lines += ["", *_projection(bench, data)]
+    lines += ["", *_projection(bench, data, paper_transformer_l())]
     return Section("Memory (Table 1)", "\n".join(lines), [], data)
 
 
-def _projection(bench: Bench, data: dict[str, Any]) -> list[str]:
+def _projection(bench: Bench, data: dict[str, Any], table: PaperRows) -> list[str]:
     """The paper's Transformer-L on 16 GB, from the real layer's activations on one and two sentences,
     in fp32 and in bf16."""
-    seq, batch, chunks = 1024, 32, 32
+    size = table.sizes
+    seq, batch, chunks, vocab = size["n_positions"], size["batch"], size["chunks"], size["vocab_size"]
 
     def big(blocks: int) -> nn.Sequential:
-        return transformer_lm(blocks, 8192, 32, dim=2048, vocab=32000, max_len=seq, dropout=0.1, attention_dropout=0.0)
+        return transformer_lm(blocks, size["n_inner"], size["n_head"], dim=size["n_embd"], vocab=vocab, max_len=seq,
+                              dropout=0.1, attention_dropout=0.0)  # fmt: skip
 
     torch.manual_seed(0)
-    sample = torch.randint(0, 32000, (2, seq))
+    sample = torch.randint(0, vocab, (2, seq))
     models = {precision: MemoryModel.measure(big, sample, precision) for precision in ("fp32", "bf16")}
     configs = [("naive-1", 1, False), ("pipeline-1", 1, True), ("pipeline-2", 2, True), ("pipeline-4", 4, True),
                ("pipeline-8", 8, True), ("pipeline-32", 32, True), ("pipeline-128", 128, True)]  # fmt: skip
     budget = 16 * 2.0**30
     fp32, bf16 = models["fp32"], models["bf16"]
     lines = [
-        f"Projected: the paper's Transformer-L (dim 2048, feed-forward 8192, 32 heads, vocabulary 32k, "
-        f"{seq} tokens, batch {batch}; M={chunks} for the pipelines) on 16 GB per stage; residual dropout "
+        f"Projected: the paper's Transformer-L (configs/transformer-l-*.toml: dim {size['n_embd']}, feed-forward "
+        f"{size['n_inner']}, {size['n_head']} heads, vocabulary {vocab}, {seq} tokens, batch {batch}; M={chunks} for "
+        "the pipelines) on 16 GB per stage; residual dropout "
         "0.1, none on the attention probabilities (attention then keeps no 1024 x 1024 matrix: "
         "docs/models.md). Measured per sentence: a block keeps "
         f"{fp32.per_sample[1] / 2**20:.0f} MiB in fp32, {bf16.per_sample[1] / 2**20:.0f} MiB in bf16 (and "
@@ -208,15 +244,14 @@ def _projection(bench: Bench, data: dict[str, Any]) -> list[str]:
         "| config | blocks, fp32 | parameters | blocks, bf16 | parameters | blocks (paper) | parameters (paper) |",
         "|---|---|---|---|---|---|---|",
     ]
-    paper_params = {"naive-1": "282.2M", "pipeline-1": "785.8M", "pipeline-8": "5.3B", "pipeline-32": "21.0B",
-                    "pipeline-128": "83.9B"}  # fmt: skip
     data["projected"], data["projected_bf16"] = {}, {}
+    data["paper_blocks"] = {column: layers for column, (layers, _) in table.rows.items()}
     for name, k, remat in configs:
         cells = []
         for key, model in (("projected", fp32), ("projected_bf16", bf16)):
             blocks = model.largest(budget, k, batch, chunks if remat else 1, remat)
             data[key][name] = blocks
             cells.append(f"{blocks} | {model.parameters(blocks) / 1e9:.2f}B")
-        lines.append(f"| {name} | {' | '.join(cells)} | {PAPER_TRANSFORMER.get(name, '—')} "
-                     f"| {paper_params.get(name, '—')} |")  # fmt: skip
+        layers, params = table.rows.get(name, ("—", "—"))
+        lines.append(f"| {name} | {' | '.join(cells)} | {layers} | {params} |")
     return lines

@@ -15,6 +15,13 @@ A cell first brings both inputs to its width C (a 1x1 convolution, or a factoriz
 older input still has twice the resolution), then builds five nodes, each the sum of two operations
 applied to earlier states (the genotype below), and concatenates the nodes 4, 5 and 6: 3C channels.
 
+``reference_cells=True`` builds the cells as the TPU reference implementation of AmoebaNet-D does
+(tensorflow/tpu, ``models/official/amoeba_net``), which differs in two places: a normal cell also
+concatenates its own input (the previous cell's output brought to width C) with nodes 4, 5 and 6,
+4C channels, and the reduction cell's 3x3 convolution is a bottleneck at C/4 like the 1x7/7x1 pair.
+With them the paper's Table 1 parameter counts are met (``configs/``: within 1% but (72, 512), 2.4%
+over); the default cells are gpipe's original ones, 4-10% under those counts (docs/models.md).
+
 The model has L + 6 layers (L + 4 with ``stem_cells=0``, for small images), all constructible on the
 meta device. Batch norm is plain ``nn.BatchNorm2d``; pass ``deferred_batch_norm=True`` to the pipeline
 for the paper's per-mini-batch running statistics.
@@ -30,7 +37,7 @@ from torch import Tensor, nn
 
 from gpipe.health import mark_blocks
 
-__all__ = ["NORMAL", "REDUCTION", "amoebanet_d", "smallest_feature_map"]
+__all__ = ["NORMAL", "REDUCTION", "REFERENCE_NORMAL_CONCAT", "amoebanet_d", "smallest_feature_map"]
 
 States = tuple[Tensor, Tensor]
 
@@ -51,6 +58,7 @@ REDUCTION: tuple[tuple[str, int], ...] = (
     ("skip", 3), ("max_pool_2x2", 0),
 )  # fmt: skip
 CONCAT = (4, 5, 6)
+REFERENCE_NORMAL_CONCAT = (1, 4, 5, 6)  # (reference_cells: a normal cell's output also holds its input's state 1)
 
 
 def _relu_conv_bn(c_in: int, c_out: int, kernel: int | tuple[int, int], stride: int | tuple[int, int] = 1,
@@ -98,6 +106,12 @@ def _conv_7x1_1x7(c: int, stride: int) -> nn.Module:
     )
 
 
+def _conv_3x3_bottleneck(c: int, stride: int) -> nn.Module:
+    """The reference implementation's 3x3 convolution: 1x1 down to C/4, 3x3 (strided), 1x1 back up."""
+    q = max(c // 4, 1)
+    return nn.Sequential(*_relu_conv_bn(c, q, 1), *_relu_conv_bn(q, q, 3, stride, 1), *_relu_conv_bn(q, c, 1))
+
+
 OPERATIONS: dict[str, Callable[[int, int], nn.Module]] = {
     "skip": lambda c, s: nn.Identity() if s == 1 else FactorizedReduce(c, c),
     "avg_pool_3x3": lambda c, s: nn.AvgPool2d(3, s, padding=1, count_include_pad=False),
@@ -105,12 +119,14 @@ OPERATIONS: dict[str, Callable[[int, int], nn.Module]] = {
     "max_pool_2x2": lambda c, s: MaxPool2x2(s),
     "conv_1x1": lambda c, s: nn.Sequential(*_relu_conv_bn(c, c, 1, s)),
     "conv_3x3": lambda c, s: nn.Sequential(*_relu_conv_bn(c, c, 3, s, 1)),
+    "conv_3x3_bottleneck": _conv_3x3_bottleneck,
     "conv_7x1_1x7": _conv_7x1_1x7,
 }
 
 
 class Cell(nn.Module):
-    """A normal or reduction cell of width ``channels``: (s0, s1) -> (s1, output of 3·channels)."""
+    """A normal or reduction cell of width ``channels``: (s0, s1) -> (s1, the ``concat`` states
+    concatenated: 3·channels by default)."""
 
     def __init__(
         self,
@@ -121,10 +137,11 @@ class Cell(nn.Module):
         reduction: bool,
         prev_reduction: bool,
         genotype: tuple[tuple[str, int], ...] | None = None,
+        concat: tuple[int, ...] = CONCAT,
     ) -> None:
         super().__init__()
         genotype = genotype or (REDUCTION if reduction else NORMAL)
-        self.reduction = reduction
+        self.reduction, self.concat = reduction, concat
         # the older input still has twice the resolution after a reduction cell
         self.pre0 = (
             FactorizedReduce(prev_prev, channels)
@@ -140,7 +157,7 @@ class Cell(nn.Module):
 
     @property
     def out_channels(self) -> int:
-        return len(CONCAT) * self.channels
+        return len(self.concat) * self.channels
 
     def forward(self, states: States) -> States:
         s0, s1 = states
@@ -148,7 +165,7 @@ class Cell(nn.Module):
         for i in range(0, len(self.ops), 2):
             a, b = self.inputs[i], self.inputs[i + 1]
             hidden.append(self.ops[i](hidden[a]) + self.ops[i + 1](hidden[b]))
-        return s1, torch.cat([hidden[i] for i in CONCAT], dim=1)
+        return s1, torch.cat([hidden[i] for i in self.concat], dim=1)
 
 
 class Stem(nn.Module):
@@ -182,10 +199,13 @@ def amoebanet_d(
     classes: int = 1000,
     in_channels: int = 3,
     stem_cells: int = 2,
+    reference_cells: bool = False,
 ) -> nn.Sequential:
     """AmoebaNet-D(L, D): ``layers`` normal cells in three stacks (the first stacks get the
     remainder), ``filters`` filters in the first stack. ``stem_cells`` reduction cells (of D/4 and
     D/2 filters) follow the stem convolution, as for ImageNet; use 0 for small images such as 32x32.
+    ``reference_cells``: the TPU reference implementation's cells (normal cells 4C wide, the
+    reduction's 3x3 a bottleneck), which meet the paper's parameter counts; see the module's docstring.
     Input: images (B, in_channels, H, W); output: logits (B, classes)."""
     if layers < 1 or filters < 4 or classes < 1 or stem_cells not in (0, 1, 2):
         raise ValueError(
@@ -197,9 +217,14 @@ def amoebanet_d(
     prev_prev = prev = stem
     prev_reduction = False
 
+    reduction_genotype = tuple(("conv_3x3_bottleneck" if op == "conv_3x3" else op, i) for op, i in REDUCTION)
+    normal_concat = REFERENCE_NORMAL_CONCAT if reference_cells else CONCAT
+
     def add(channels: int, reduction: bool) -> None:
         nonlocal prev_prev, prev, prev_reduction
-        cell = Cell(prev_prev, prev, channels, reduction=reduction, prev_reduction=prev_reduction)
+        genotype = (reduction_genotype if reduction else NORMAL) if reference_cells else None
+        cell = Cell(prev_prev, prev, channels, reduction=reduction, prev_reduction=prev_reduction,
+                    genotype=genotype, concat=CONCAT if reduction else normal_concat)  # fmt: skip
         cells.append(cell)
         prev_prev, prev, prev_reduction = prev, cell.out_channels, reduction
 

@@ -18,6 +18,8 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
     torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
     torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train  # a lost rank: the job goes on from its checkpoint
+    gpipe train --config configs/t2-256-4.toml --steps 50  # a file of settings (flags override it)
+    gpipe train --config t6-8192-16 --data corpus/  # one of the paper's configurations (configs/), by name
     gpipe train --on-nonfinite skip --max-skips 5  # a NaN or Inf is named where it appeared; its step skipped
     gpipe train --eval-every 0 --out runs/x        # never pause to evaluate: gpipe eval --watch runs/x does, beside it
 
@@ -52,7 +54,9 @@ from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.saving import CheckpointError, NoSpaceError
-from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig, read_config_file
+from gpipe.train import paper
+from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig
+from gpipe.train.config_file import read_config_file
 from gpipe.train.guard import EXIT_NONFINITE, NonFiniteError
 from gpipe.train.initial import started_settings
 from gpipe.train.loop import one_run, train
@@ -64,8 +68,8 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 
 # The flags of -h in groups (every TrainConfig field in one; tests/test_train.py holds it).
 _GROUPS = {
-    "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "filters",
-              "classes", "image_size", "dropout", "logit_clip", "transparent"),
+    "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
+              "filters", "reference_cells", "classes", "image_size", "dropout", "logit_clip", "transparent"),
     "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
                  "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
@@ -96,7 +100,12 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
         description=__doc__.replace("``", "") if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="a TOML or JSON file of settings; flags override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML or JSON file of settings, or the name of one of the paper's configurations "
+        "(configs/: t6-8192-16, amoebanet-d-18-256, ...); flags override it",
+    )
     groups = {title: parser.add_argument_group(title) for title in _GROUPS}
     for f in fields(TrainConfig):
         group = groups[next(title for title, names in _GROUPS.items() if f.name in names)]
@@ -111,7 +120,7 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
                                help=f"{f.metadata['help']} (default: {default})")  # fmt: skip
     args = vars(parser.parse_args(argv))
     path = args.pop("config", None)
-    settings = read_config_file(path) if path else {}
+    settings = read_config_file(str(paper.find(path, missing_ok=True))) if path else {}  # (a file, or a paper's name)
     given = started_settings({**settings, **args}, {f.name: f.default for f in fields(TrainConfig)})
     cfg = TrainConfig(**resumed_settings(given))  # --resume: the run's own settings beneath; --init RUN: its model
     cfg.check()

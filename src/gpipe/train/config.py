@@ -1,15 +1,12 @@
 """The settings of ``gpipe train``: :class:`TrainConfig` (its fields are the flags) and its checks,
 the errors they raise (:class:`ConfigError`, :class:`ConfigTypeError`, from :mod:`gpipe.train.checks`
-with the checks of one setting), the choices (models, optimizers, schedules, precisions, ...) and the
-reading of a ``--config`` file (TOML or JSON)."""
+with the checks of one setting) and the choices (models, optimizers, schedules, precisions, ...). A
+``--config`` file is read by :mod:`gpipe.train.config_file`."""
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
-import json
 import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,6 @@ __all__ = [
     "checkpoint_to_resume",
     "has_tensorboard",
     "newest_checkpoint",
-    "read_config_file",
 ]
 
 V_SCHEDULES = ("zb-v", "dualpipev", "v-half", "v-min")  # two stages per worker
@@ -120,7 +116,21 @@ class TrainConfig:
     hidden: int = field(default=256, metadata={"help": "transformer: H, the feed-forward size"})
     heads: int = field(default=4, metadata={"help": "transformer: A, the attention heads"})
     dim: int = field(default=64, metadata={"help": "transformer: the model dimension"})
+    head_dim: int = field(
+        default=0,
+        metadata={
+            "help": "transformer: the width of every attention head (0: dim / heads); the paper's 32-head models "
+            "have heads of 64 in a 1024-wide model"
+        },
+    )
     filters: int = field(default=16, metadata={"help": "amoebanet: D, the filters of the first stack"})
+    reference_cells: bool = field(
+        default=False,
+        metadata={
+            "help": "amoebanet: the cells of the TPU reference implementation, which meet the paper's parameter "
+            "counts (normal cells also concatenate their input, 4D wide; the reduction's 3x3 a bottleneck)"
+        },
+    )
     classes: int = field(default=10, metadata={"help": "amoebanet: classes of the synthetic images (--data: its own)"})
     image_size: int = field(
         default=32,
@@ -387,8 +397,16 @@ class TrainConfig:
             )
         if self.classes < 2:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
-        if self.dim % self.heads:
-            raise ConfigError(f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads})")
+        if self.head_dim < 0:
+            raise ConfigError(f"--head-dim must be positive, or 0 for --dim / --heads (got {self.head_dim})")
+        if self.dim % self.heads and not self.head_dim:
+            raise ConfigError(
+                f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads}), or give --head-dim"
+            )
+        if self.reference_cells and self.model != "amoebanet":
+            raise ConfigError(
+                f"--reference-cells builds the cells of --model amoebanet (model: {self.model!r}); leave it out"
+            )
         if self.transparent and self.model != "transformer":
             raise ConfigError(
                 f"--transparent mixes the encoder layers of --model transformer for its decoder (model: "
@@ -465,27 +483,3 @@ class TrainConfig:
                 where = f"--hf-config {self.hf_config!r}" if self.hf_config else f"--init {self.init!r}'s config"
             return blocks + 2, f"{where} has {blocks} blocks, + 2: the embeddings, the head"
         return 2 * self.depth + 3, f"T({self.depth}, ...) has 2L + 3"
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """The settings of a TOML or JSON file, each a known setting of its field's type."""
-    try:
-        text = Path(path).read_text()
-        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the config file {path!r}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"the config file {path!r} holds a {type(data).__name__}; it must hold an object of settings, "
-            'e.g. {"steps": 500, "partitions": 4}'
-        )
-    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
-    settings = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in kinds:
-            close = difflib.get_close_matches(name, kinds, n=3)
-            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(kinds)}"
-            raise ConfigError(f"unknown setting {key!r} in the config file {path!r}; {hint}")
-        settings[name] = typed(key, value, kinds[name], where=path)
-    return settings

@@ -41,6 +41,7 @@ from gpipe.train.initial import PRETRAINED, init_source, init_tokenizer
 __all__ = [
     "Losses",
     "hf_config",
+    "image_model",
     "make_data",
     "make_losses",
     "make_model",
@@ -152,8 +153,7 @@ def make_model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
     if cfg.model == "amoebanet":
         images = _images(data)
         with torch.device("meta"):
-            model = amoebanet_d(cfg.depth, cfg.filters, classes=images.classes, in_channels=images.channels,
-                                stem_cells=cfg.stem_cells)  # fmt: skip
+            model = image_model(cfg, images.classes, images.channels)
         _check_batch_norm(cfg, model, tuple(images.batch(1, 0).inputs.shape[1:]))
         return model
     tokens = _tokens(data)
@@ -179,7 +179,15 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
     """The transformer ``cfg`` describes, for ``vocab`` tokens and sentences of up to ``length``
     (positions: at least 64). ``gpipe translate`` rebuilds a checkpoint's model with it."""
     return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=max(64, length),
-                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None, transparent=cfg.transparent)  # fmt: skip
+                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None, transparent=cfg.transparent,
+                       head_dim=cfg.head_dim or None)  # fmt: skip
+
+
+def image_model(cfg: TrainConfig, classes: int, channels: int) -> torch.nn.Sequential:
+    """The AmoebaNet-D ``cfg`` describes, for images of ``channels`` channels in ``classes`` classes
+    (built on the current device: the meta device, for a run)."""
+    return amoebanet_d(cfg.depth, cfg.filters, classes=classes, in_channels=channels, stem_cells=cfg.stem_cells,
+                       reference_cells=cfg.reference_cells)  # fmt: skip
 
 
 def _vocab(cfg: TrainConfig) -> Vocab:
