@@ -180,6 +180,12 @@ def test_a_pruned_trial_is_recorded_as_pruned(tmp_path: Path, capsys: pytest.Cap
     assert main(["runs", str(out)]) == 0
     listed = capsys.readouterr().out
     assert "| 2/8 " in listed and "pruned" in listed and "finished" in listed
+    # --prune-after 8, the last step: the pruner is not asked before it, nor at the last evaluation (nothing to save)
+    again = tmp_path / "again"
+    flags = ["--sampler", "grid", "--metric", "eval_loss", "--startup-trials", "1", "--seed", "1", "--prune-after", "8"]
+    status, err = sweep(str(tmp_path / "space.toml"), "--out", str(again), "--trials", "2", *flags)
+    assert status == 0, err
+    assert [t.state.name for t in study_of(again).trials] == ["COMPLETE", "COMPLETE"]
 
 
 def test_a_failed_trial_is_recorded_with_its_error_and_the_sweep_goes_on(tmp_path: Path) -> None:

@@ -64,6 +64,8 @@ def _parser() -> ArgumentParser:
                         help="median: stop a trial worse than the earlier ones' median (default)")  # fmt: skip
     parser.add_argument("--startup-trials", type=int, default=3, metavar="N",
                         help="complete trials before the median pruner prunes (default: 3)")  # fmt: skip
+    parser.add_argument("--prune-after", type=int, default=0, metavar="STEP",
+                        help="prune no trial before this step (a metric vague early on; default: 0)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: 0)")
     return parser
 
@@ -83,6 +85,8 @@ def settings(args: argparse.Namespace, space: Space) -> SweepSettings:
         raise UsageError(f"--trials must be positive (got {args.trials})")
     if args.startup_trials < 0:
         raise UsageError(f"--startup-trials must be 0 or more (got {args.startup_trials})")
+    if args.prune_after < 0:
+        raise UsageError(f"--prune-after must be 0 or more (got {args.prune_after})")
     metric = args.metric or _default_metric(space)
     direction = args.direction or default_direction(metric)
     if direction is None:
@@ -90,7 +94,8 @@ def settings(args: argparse.Namespace, space: Space) -> SweepSettings:
     if args.sampler == "grid" and args.trials > (size := space.grid_size()):
         print(f"note: the grid has {size} points: the sweep ends after {size} trials")
     return SweepSettings(trials=args.trials, metric=metric, direction=direction, sampler=args.sampler,
-                         pruner=args.pruner, startup_trials=args.startup_trials, seed=args.seed)  # fmt: skip
+                         pruner=args.pruner, startup_trials=args.startup_trials, prune_after=args.prune_after,
+                         seed=args.seed)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

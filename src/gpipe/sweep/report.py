@@ -44,7 +44,7 @@ def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) 
         f"- space: `{space.path}`: {'; '.join(d.describe() for d in space.search)}",
         f"- metric: {s.metric} ({s.direction}; a trial's value is its best evaluation)",
         f"- sampler: {s.sampler} (seed {s.seed}); pruner: {s.pruner}"
-        + (f" (after {s.startup_trials} complete trials)" if s.pruner == "median" else ""),
+        + (f" (after {s.startup_trials} complete trials, from step {s.prune_after})" if s.pruner == "median" else ""),
         f"- trials: {len(trials)} of {s.trials}"
         + (f"; best: trial {best.number}, {s.metric} {best.value:.4g} (`best.toml`)" if best is not None else ""),
         "",

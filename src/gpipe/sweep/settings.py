@@ -31,6 +31,7 @@ class SweepSettings:
     sampler: str = "tpe"
     pruner: str = "median"
     startup_trials: int = 3  # complete trials before the median pruner prunes
+    prune_after: int = 0  # the step before which it prunes no trial (a metric that says little early on)
     seed: int = 0
 
     def kept(self) -> dict[str, Any]:

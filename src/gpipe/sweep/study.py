@@ -120,7 +120,9 @@ class Sweep:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         s = self.settings
-        pruner = optuna.pruners.MedianPruner(n_startup_trials=s.startup_trials) if s.pruner == "median" else None
+        pruner = None
+        if s.pruner == "median":
+            pruner = optuna.pruners.MedianPruner(n_startup_trials=s.startup_trials, n_warmup_steps=s.prune_after)
         study = optuna.create_study(
             storage=f"sqlite:///{(self.out / STUDY).resolve()}", study_name=_NAME,
             direction="maximize" if s.direction == "maximize" else "minimize",
@@ -176,7 +178,7 @@ class Sweep:
         error = None
         stopped = False
         try:
-            stopped = "stopped" in train(cfg, on_eval=self._hook(trial))
+            stopped = "stopped" in train(cfg, on_eval=self._hook(trial, cfg.steps))
         except _MetricMissingError as exc:
             if _rank() == 0:
                 self._finish(study, trial, params, "failed", str(exc))
@@ -192,9 +194,9 @@ class Sweep:
             state = "failed" if error is not None else "pruned" if stopped else "complete"
             self._finish(study, trial, params, state, error)
 
-    def _hook(self, trial: Any) -> Any:
-        """What the run does after an evaluation: rank 0 reports the metric to the trial and asks the pruner;
-        every rank does as it says."""
+    def _hook(self, trial: Any, last: int) -> Any:
+        """What the run does after an evaluation: rank 0 reports the metric to the trial and asks the pruner
+        (not at the run's ``last`` step: nothing is left to save); every rank does as it says."""
         metric, prune = self.settings.metric, self.settings.pruner != "none"
 
         def on_eval(step: int, row: dict[str, Any]) -> bool:
@@ -202,7 +204,7 @@ class Sweep:
             if _rank() == 0 and metric in row:
                 value = row[metric]
                 trial.report(math.nan if value is None else float(value), step)  # (NaN: the pruner prunes it)
-                decision = bool(prune and trial.should_prune())
+                decision = bool(prune and step < last and trial.should_prune())
             if (decision := _broadcast(decision)) is None:
                 keys = sorted(k for k, v in row.items() if isinstance(v, (int, float)) and k != "step")
                 raise _MetricMissingError(
