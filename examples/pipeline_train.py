@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/pipeline_train.py     # one process per stage (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2   # 2 replicas x 2 stages
     torchrun --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2 --fsdp   # ... each stage sharded over 2
+    torchrun --nproc-per-node 2 examples/pipeline_train.py --tensor-parallel 2   # 1 stage, each block split over 2
     torchrun --nproc-per-node 8 examples/pipeline_train.py --data-parallel 2 --fsdp --tensor-parallel 2
 
 Every process runs the same code: it builds the model on the meta device (each process materializes
@@ -35,12 +36,14 @@ def main() -> None:
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    stages = max(2, world // (args.data_parallel * args.tensor_parallel))
+    # One process: 2 stages on 2 'cpu' devices. Under torchrun: the ranks left once each stage has its
+    # replicas and tensor-parallel ranks (gpipe refuses a world size that is not a multiple of them).
+    stages = 2 if world == 1 else max(world // (args.data_parallel * args.tensor_parallel), 1)
     with torch.device("meta"):  # nothing is allocated until each process materializes its stages
         model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)])
     pipe = Pipeline(
         model,
-        [len(model) // stages] * stages,
+        [len(model) // stages + (s < len(model) % stages) for s in range(stages)],  # 4 blocks, as even as can be
         chunks=args.chunks,
         schedule=args.schedule,
         loss_fn=F.mse_loss,

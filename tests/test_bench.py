@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gpipe.bench import _misses, engine, memory, run, throughput
+from gpipe.bench import _misses, _tracking, engine, memory, run, throughput
 from gpipe.bench.common import Bench, Section, launch, workloads
 from gpipe.cli import main
 
@@ -109,6 +111,42 @@ def test_misses_are_stated_from_the_numbers() -> None:
     assert "(gpipe, equal work): 1.20x" in text and "(1f1b" not in text
     assert "Overhead: the largest median is 100.0%" in text
     assert _misses([])[-1] == "- Nothing measured in this run misses its target."
+
+
+def _row(k2: float, k1: float) -> dict[str, Any]:
+    """Throughputs measured at K=2 and K=1 for M=1 and M=4: M=4 short of the projection by ``k2`` and
+    ``k1`` (normalized to K=2, M=1, which is the projection's by definition)."""
+    projected = {"K=2,M=1": 2.0, "K=2,M=4": 3.0, "K=1,M=1": 1.0, "K=1,M=4": 1.5}
+    measured = {"K=2,M=1": [4.0], "K=2,M=4": [6.0 * (1 - k2)], "K=1,M=1": [2.0], "K=1,M=4": [3.0 * (1 - k1)]}
+    return {"measured": measured, "projected": projected}
+
+
+def test_throughput_tracking_says_what_the_gap_is_or_that_there_is_none() -> None:
+    """No '0% below the projection': a shortfall under 1% is none, and the gap's likely cause
+    follows where it is (K=2 alone: what crosses the processes; at K=1 too: work inside a stage)."""
+    none = _tracking(_row(0.0, 0.004))
+    assert none == "Measured keeps up with the projection at K=2 and at K=1: no M falls 1% or more below it."
+    k2 = _tracking(_row(0.1, 0.0))
+    assert k2.startswith("Measured falls up to 10% below the projection at K=2 but keeps up with it at K=1")
+    assert "the hand-over between the processes" in k2
+    k1 = _tracking(_row(0.0, 0.2))
+    assert k1.startswith("Measured keeps up with the projection at K=2 but falls up to 20% below it at K=1:")
+    both = _tracking(_row(0.1, 0.2))
+    assert both.startswith("Measured falls up to 10% below the projection at K=2 and up to 20% at K=1")
+    assert "per-micro-batch work inside a stage" in both and "not the transfers" in both
+    assert all(" 0%" not in text for text in (none, k2, k1, both))
+
+
+def test_a_missing_torchgpipe_is_what_make_bench_installs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe.bench.peers import vs_torchgpipe
+
+    monkeypatch.setitem(sys.modules, "torchgpipe", None)  # (importing it raises ImportError)
+    why = vs_torchgpipe(Bench(quick=True, repeats=1))
+    assert isinstance(why, str) and why.startswith("torchgpipe is not installed (`make bench` installs it")
+    recipe = re.search(r"^bench:.*\n((?:\t.*\n)+)", (Path(__file__).parents[1] / "Makefile").read_text(), re.M)
+    assert recipe is not None
+    install = re.search(r"pip install (.*)\)$", why)
+    assert install is not None and install[1] in recipe[1], (why, recipe[1])
 
 
 def test_the_memory_section_takes_transformer_l_from_the_papers_configurations() -> None:

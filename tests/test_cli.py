@@ -49,6 +49,28 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path: Path, capsys: pytest.C
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("command", "example"),
+    [
+        ("corpus", "gpipe corpus --out corpus/ "),
+        ("vocab", "gpipe vocab --data corpus/ --size 8000 --out shared "),
+        ("schedule", "gpipe schedule --auto --stages 4 --chunks 8 --costs F=1,I=1,W=2,transfer=0.1"),
+    ],
+)
+def test_help_describes_the_command_with_examples(
+    command: str, example: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """-h: the module's docstring, its example lines kept as written, without reST markup."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "-h"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description.startswith(f"gpipe {command}"), text
+    assert re.search(rf"^    {re.escape(example)}", text, re.M), text
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text
+
+
 def test_schedule_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = f"{tmp_path}/timeline.png"
     assert main(["schedule", "--schedule", "1f1b", "--stages", "4", "--chunks", "8", "--out", out]) == 0

@@ -192,6 +192,19 @@ def transformer_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_a_tokenizer_config_must_name_eos_and_may_name_bos(text: Path, tmp_path: Path) -> None:
+    """As --tokenizer's help says: every document ends with the eos_token, and starts with the
+    bos_token only where the tokenizer_config.json names one."""
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    for config, first in [({"eos_token": "</s>"}, None), ({"bos_token": "<s>", "eos_token": "</s>"}, 1)]:
+        file = _tokenizer_json(tmp_path / str(len(config)), text, specials, config)
+        data = make_data(TrainConfig(out=str(tmp_path / "run"), data=str(text), tokenizer=str(file), **FLAGS))
+        assert isinstance(data, TextLines) and (data.bos, data.eos) == (first, 2)
+        rows = torch.cat(list(data.splits.values()))
+        assert ((rows[:, 0] == 1) == (first is not None)).all()  # (the text itself never gives id 1, <s>)
+        assert all(2 in row.tolist() or PAD not in row.tolist() for row in rows)  # each ends with </s>, or is cut
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [

@@ -188,6 +188,17 @@ def test_runs_that_are_not_of_text_are_refused(tmp_path: Path, capsys: pytest.Ca
         assert expected in err and err.count("\n") == 1, err
 
 
+def test_gpipe_translate_points_a_text_run_to_gpipe_generate(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run keeps a vocab.model (its tokenizer): gpipe translate says what the run is instead."""
+    assert (run / "checkpoints" / "step-00000006" / "vocab.model").is_file()
+    assert main(["translate", "--checkpoint", str(run), "--to", "de"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --checkpoint {str(run)!r} is of a causal language model (gpipe train --model hf) trained on text, "
+        f"which continues text rather than translating it: continue prompts with gpipe generate --checkpoint {run}\n"
+    )
+
+
 def test_a_pairs_sample_prompt_is_its_source_and_the_targets_tag() -> None:
     pairs = SyntheticTranslation()
     pair = pairs.batch(1, 0, split="eval")

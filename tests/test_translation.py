@@ -229,6 +229,39 @@ def test_translate_needs_a_run_on_a_folder_of_pairs(tmp_path: Path, capsys: pyte
     assert "no such folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("model", "data", "files", "message"),
+    [
+        ("hf", "TextLines", ["vocab.model"], "is of a causal language model (gpipe train --model hf) trained on text, "
+         "which continues text rather than translating it: continue prompts with gpipe generate --checkpoint {ckpt}"),
+        ("hf", "PreparedText", ["tokenizer.json"], "trained on text, which continues text rather than translating "
+         "it: continue prompts with gpipe generate --checkpoint {ckpt}"),
+        ("hf", "CausalPairs", [], "is of a causal language model (gpipe train --model hf) trained on language pairs "
+         "as token ids (the built-in corpus, or source<TAB>target lines), with no vocabulary to read sentences with"),
+        ("transformer", "TextPairs", [], "is of a translation model trained on one file of source<TAB>target lines "
+         "as words split at white space, with no vocabulary"),
+        ("amoebanet", "ImageFiles", [], "is of an image classifier (gpipe train --model amoebanet); gpipe translate "
+         "needs a run of gpipe train --data FOLDER"),
+        ("transformer", "PreparedCorpus", [], "keeps no vocab.model, the run's vocabulary"),
+    ],
+)  # fmt: skip
+def test_translate_says_what_a_run_it_cannot_read_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, data: str, files: list[str], message: str
+) -> None:
+    """A run of another kind is named for what it is (never by gpipe's class for its data), with the
+    command that reads it where there is one: a text run's vocab.model is its tokenizer, not a
+    vocabulary of language pairs."""
+    checkpoint = tmp_path / "run"
+    checkpoint.mkdir()
+    (checkpoint / "run.json").write_text(json.dumps({"config": {"model": model}, "data": data}))
+    for name in files:
+        (checkpoint / name).write_text("")
+    assert main(["translate", "--checkpoint", str(checkpoint), "--to", "ya"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message.format(ckpt=checkpoint) in err and f"on {data}" not in err, err
+
+
 def test_the_synthetic_text_translates_word_by_word(corpus: Path) -> None:
     for pair in ("xs-ya", "xs-yc"):
         lines = (corpus / f"{pair}.tsv").read_text(encoding="utf-8").splitlines()

@@ -10,6 +10,7 @@ import pytest
 
 from gpipe.cli import main
 from gpipe.data.vocab import Vocab
+from gpipe.demo import VOCAB_SIZE
 from gpipe.train import ConfigError, parse
 from gpipe.train.setup import make_data
 
@@ -61,6 +62,7 @@ def test_the_readme_walkthrough_works_with_the_default_sizes(
     printed = capsys.readouterr()
     pieces = Vocab(tmp_path / "vocab.model").size
     assert 8 < pieces < 8000
+    assert pieces == VOCAB_SIZE  # gpipe demo's vocabulary: every piece the corpus supports, no fewer
     assert f"wrote {tmp_path}/vocab.model ({pieces} pieces)" in printed.out
     assert printed.err == (
         f"note: the sampled text supports only {pieces} pieces (--size left out: up to 32000); the vocabulary "

@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,6 +75,39 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     )
 
 
+_NEEDS = "gpipe translate needs a run of gpipe train --data FOLDER (a folder of parallel files)"
+_NO_VOCAB = "with no vocabulary to read sentences with; " + _NEEDS
+_RUNS = {  # what a run that gpipe translate cannot read is, by its --model and the kind of its data
+    ("hf", "CausalPairs"): "a causal language model (gpipe train --model hf) trained on language pairs as token "
+    "ids (the built-in corpus, or source<TAB>target lines), " + _NO_VOCAB,
+    ("transformer", "SyntheticTranslation"): "a translation model trained on the built-in corpus as token ids "
+    "(no --data), " + _NO_VOCAB,
+    ("transformer", "TextPairs"): "a translation model trained on one file of source<TAB>target lines as words "
+    "split at white space, " + _NO_VOCAB,
+}
+
+
+def _not_a_translation_run(checkpoint: str, folder: Path, model: str, kind: str) -> str | None:
+    """Why gpipe translate cannot read ``folder``, the checkpoint found for ``--checkpoint checkpoint``,
+    of a ``--model model`` run on data of kind ``kind`` (None: it can)."""
+    if model == "transformer" and kind in ("ParallelCorpus", "PreparedCorpus"):
+        if (folder / VOCAB).is_file():
+            return None
+        return f"{str(folder)!r} keeps no {VOCAB}, the run's vocabulary, which gpipe translate reads sentences with"
+    if model == "hf" and kind in ("TextLines", "PreparedText"):  # (a text file, or one gpipe prepare prepared)
+        what = (
+            "a causal language model (gpipe train --model hf) trained on text, which continues text rather than "
+            f"translating it: continue prompts with gpipe generate --checkpoint {shlex.quote(checkpoint)}"
+        )
+    elif (model, kind) in _RUNS:
+        what = _RUNS[model, kind]
+    elif model == "amoebanet":
+        what = f"an image classifier (gpipe train --model amoebanet); {_NEEDS}"
+    else:
+        what = f"a --model {model} run on {kind}; {_NEEDS}"
+    return f"--checkpoint {checkpoint!r} is of {what}"
+
+
 class Translator:
     """A checkpoint's translation model in a :class:`~gpipe.Pipeline` of ``partitions`` stages,
     with its vocabulary. Under torchrun, ``partitions`` is the world size, one stage per rank."""
@@ -87,11 +121,9 @@ class Translator:
             settings, kind = dict(run["config"]), run["data"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{str(self.folder / RUN)!r} is not a run description of gpipe train: {exc!r}") from None
-        if kind not in ("ParallelCorpus", "PreparedCorpus") or not (self.folder / VOCAB).is_file():
-            raise UsageError(
-                f"{str(self.folder)!r} is a checkpoint of a run on {kind}, without a SentencePiece vocabulary: "
-                "gpipe translate needs a run of gpipe train --data FOLDER (a folder of parallel files)"
-            )
+        why = _not_a_translation_run(str(checkpoint), self.folder, str(settings.get("model", "transformer")), str(kind))
+        if why is not None:
+            raise UsageError(why)
         known = set(TrainConfig.__dataclass_fields__)
         self.config = TrainConfig(**{k: v for k, v in settings.items() if k in known})
         self.vocab = Vocab(self.folder / VOCAB)

@@ -47,7 +47,7 @@ def vs_torchgpipe(bench: Bench) -> dict[str, list[float]] | str:
     try:
         torch_gpipe: Any = importlib.import_module("torchgpipe").GPipe
     except ImportError:
-        return "torchgpipe is not installed (`make bench` installs it: pip install --no-deps torchgpipe==0.0.7)"
+        return "torchgpipe is not installed (`make bench` installs it, gpipe's bench extra: pip install -e '.[bench]')"
     from gpipe import GPipe
 
     s = mlp_sizes(bench)

@@ -8,10 +8,11 @@ Below every command (``gpipe train``, ``translate``, ``bench``, the small ones i
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "UsageError", "positive", "refuse"]
+__all__ = ["ArgumentParser", "UsageError", "description", "positive", "refuse"]
 
 
 class UsageError(ValueError):
@@ -25,6 +26,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
+
+
+def description(doc: str | None) -> str | None:
+    """A command module's docstring as its ``-h`` text (with ``RawDescriptionHelpFormatter``, which
+    keeps the example lines as written): the reST markup left out, ``name`` for ````name```` and
+    ``:mod:`name```."""
+    return None if doc is None else re.sub(r"(?::[a-z]+:)?`+([^`]+)`+", r"\1", doc)
 
 
 def refuse(error: BaseException | str) -> int:

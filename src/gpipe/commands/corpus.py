@@ -1,5 +1,17 @@
 """``gpipe corpus --out DIR``: the built-in synthetic multilingual corpus written as parallel text files
-(the layout ``gpipe train --data DIR`` reads), to try the translation workflow without data."""
+(the layout ``gpipe train --data DIR`` reads), to try the translation workflow without data.
+
+    gpipe corpus --out corpus/                     # 4 pairs of 20000, 4000, 800 and 150 sentence pairs
+    gpipe corpus --out small/ --sizes 1500,300,60 --held-out 16 --seed 1
+    gpipe vocab --data corpus/                     # then its shared vocabulary (270 pieces), or
+    gpipe train --data corpus/ --out runs/mt       # train on it (gpipe demo runs corpus and train)
+
+Pair p, ``xs-ya`` the first and largest, translates one source language xs into its own target
+language (ya, yb, ...): ``DIR/xs-ya.tsv`` holds its sentence pairs, a ``source<TAB>target`` line each,
+8 made-up words a side that translate word by word; ``DIR/eval/xs-ya.tsv`` its ``--held-out`` others
+(training holds them out and scores BLEU on them). The same ``--sizes`` and ``--seed`` write the
+same files.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe.commands.args import ArgumentParser, positive, refuse
+from gpipe.commands.args import ArgumentParser, description, positive, refuse
 
 __all__ = ["main"]
 
@@ -23,7 +35,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> ArgumentParser:
-    c = ArgumentParser(prog="gpipe corpus")
+    c = ArgumentParser(prog="gpipe corpus", description=description(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     c.add_argument("--out", required=True, help="the folder to write (created if missing)")
     c.add_argument("--sizes", type=_sizes, default=(20000, 4000, 800, 150),
                    help="sentence pairs of each language pair (default: 20000,4000,800,150)")  # fmt: skip

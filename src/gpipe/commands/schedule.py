@@ -30,7 +30,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from gpipe.commands.args import ArgumentParser, UsageError, positive, refuse
+from gpipe.commands.args import ArgumentParser, UsageError, description, positive, refuse
 from gpipe.schedule import (
     SCHEDULES,
     StageCosts,
@@ -89,7 +89,8 @@ def _memory_cap(text: str) -> tuple[float, ...]:
 
 
 def _parser() -> ArgumentParser:
-    s = ArgumentParser(prog="gpipe schedule")
+    s = ArgumentParser(prog="gpipe schedule", description=description(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     s.add_argument("--schedule", choices=list(SCHEDULES), help="the schedule (default: gpipe)")
     s.add_argument(
         "--auto",

@@ -1,6 +1,21 @@
-"""``gpipe vocab --data DIR``: one SentencePiece vocabulary for every language pair in DIR, trained on
-text sampled with temperature T=5 (see :mod:`gpipe.data.vocab`), and each pair's share of the data and
-of the sample. Without ``--size``, as many pieces as the text supports, up to 32000."""
+"""``gpipe vocab --data DIR``: one SentencePiece vocabulary for every language pair in DIR (the kind
+``gpipe train --data DIR`` trains, to give it with ``--vocab``), and each pair's share of the data
+and of the sample.
+
+    gpipe vocab --data corpus/                            # as many pieces as the text supports: corpus/vocab.model
+    gpipe vocab --data corpus/ --size 8000 --out shared   # exactly 8000 pieces: shared.model, shared.vocab
+    gpipe train --data corpus/ --vocab shared.model       # a run with it
+    gpipe vocab --data new-pairs/ --extend runs/base/checkpoints/step-00001000/vocab.model --out grown
+
+The text is sampled with temperature T=5, the paper's (pair l, holding D_l sentence pairs, drawn with
+p ∝ (D_l/ΣD)^(1/T)), so low-resource pairs get more of the vocabulary than their share of the data;
+character coverage 0.999995, a ``<2xx>`` piece per target language xx, fixed ids for pad, bos, eos
+and unk (0 to 3). Without ``--size``: as many pieces as the sampled text supports, up to 32000 (said
+when fewer); ``--size N`` is exact, and refused, naming the most that works, when the text cannot
+make N. ``--extend BASE.model`` trains nothing: BASE, every id kept, with the tags of DIR's target
+languages it lacks appended, for fine-tuning a run on new pairs (``gpipe train --init RUN --vocab
+PREFIX.model``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpipe.commands.args import ArgumentParser, positive, refuse
+from gpipe.commands.args import ArgumentParser, description, positive, refuse
 
 __all__ = ["main"]
 
@@ -18,7 +33,8 @@ _SAMPLE = 1_000_000  # the most sentence pairs drawn when --sample is left out (
 
 
 def _parser() -> ArgumentParser:
-    v = ArgumentParser(prog="gpipe vocab")
+    v = ArgumentParser(prog="gpipe vocab", description=description(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     v.add_argument("--data", required=True, help="a directory of pair files: xx-yy.tsv, or xx-yy.xx + xx-yy.yy")
     v.add_argument(
         "--size",

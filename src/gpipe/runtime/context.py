@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from gpipe.checkpoint import Selective
 from gpipe.microbatch import Batch
 
-__all__ = ["AUTOCAST_DEVICE_TYPES", "Grads", "LossFn", "Saved", "StepContext", "leaf", "loss_scale", "pairs"]
+__all__ = [
+    "AUTOCAST_DEVICE_TYPES", "Grads", "LossFn", "Saved", "StepContext", "leaf", "loss_scale", "pairs", "settled",
+]  # fmt: skip
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -75,6 +78,18 @@ Grads = tuple[Tensor | None, ...]
 def leaf(t: Tensor) -> Tensor:
     """A fresh autograd leaf with ``t``'s values, requiring grad where ``t`` does (a tape's layer input)."""
     return t.detach().requires_grad_(t.requires_grad)
+
+
+def settled(batch: Batch) -> Batch:
+    """``batch``, its collectives waited for: a tensor-parallel layer's all-reduce (DTensor's
+    functional collectives) hands back its output before it is done, and is waited for when the
+    output is next read. A recomputed output is never read, only differentiated (a backward's
+    root), so its all-reduce would stay registered, holding its buffers, to the end of the process
+    (which warns of "unwaited collective calls"); every stage output is waited for here instead."""
+    for t in batch.tensors():
+        if isinstance(t, AsyncCollectiveTensor):
+            t.trigger_wait()  # type: ignore[no-untyped-call]  # (untyped in torch)
+    return batch
 
 
 def pairs(outputs: Batch, grads: Grads) -> tuple[list[Tensor], list[Tensor]]:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from gpipe import memory, skip
 from gpipe.checkpoint import Selective, checkpointing, recomputing
 from gpipe.microbatch import Batch
-from gpipe.runtime.context import Grads, Saved, StepContext, leaf, pairs
+from gpipe.runtime.context import Grads, Saved, StepContext, leaf, pairs, settled
 from gpipe.runtime.hooks import _PartitionCall
 from gpipe.runtime.inplace import _InPlace
 
@@ -100,7 +100,7 @@ def _step(
     finally:
         skip.leave(before)
     stage._in_place.check(i, ctx.training, leaves, fed, token, functools.partial(stage._where, i))
-    return Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
+    return settled(Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value))
 
 
 class _Dropping:

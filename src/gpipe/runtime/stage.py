@@ -46,7 +46,7 @@ from gpipe.checkpoint import Selective, checkpointing, recomputing
 from gpipe.microbatch import Batch
 from gpipe.rng import Seeded, derive_seed, may_draw
 from gpipe.runtime import selective
-from gpipe.runtime.context import Grads, LossFn, Saved, StepContext
+from gpipe.runtime.context import Grads, LossFn, Saved, StepContext, settled
 from gpipe.runtime.context import leaf as _leaf
 from gpipe.runtime.context import pairs as _pairs
 from gpipe.runtime.hooks import _hooked, _PartitionCall
@@ -238,7 +238,7 @@ class Stage:
         if protect:
             self._in_place.check(-1, ctx.training, batch, fed, token, lambda: f"stage {self.index}")
         out = Batch.of(value)
-        return out.with_skips(skips) if skips or batch.skips else out
+        return settled(out.with_skips(skips) if skips or batch.skips else out)
 
     def _run_taped(
         self, m: int, batch: Batch, ctx: StepContext, tape: list[tuple[Batch, Batch]], call: _PartitionCall | None
@@ -255,7 +255,7 @@ class Stage:
                 finally:
                     skip.leave(before)
                 self._in_place.check(i, ctx.training, leaves, fed, token, functools.partial(self._where, i))
-                state = Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value)
+                state = settled(Batch.of(value).with_skips(skips) if skips or fed.skips else Batch.of(value))
                 tape.append((leaves, state))
         except Exception:
             if call is not None:

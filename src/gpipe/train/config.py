@@ -101,9 +101,10 @@ class TrainConfig:
     tokenizer: str = field(
         default="",
         metadata={
-            "help": "hf, --data TEXT: a tokenizer.json (or its folder; a tokenizer_config.json beside it names its "
-            "bos_token and eos_token) or a SentencePiece .model to read the text with ('': OUT/vocab.model, trained "
-            "on the text's lines on the first run, --vocab-size pieces)"
+            "help": "hf, --data TEXT: a tokenizer.json (or its folder; a tokenizer_config.json beside it must name "
+            "its eos_token, which ends every document, and may name a bos_token, which then starts every document) "
+            "or a SentencePiece .model to read the text with ('': OUT/vocab.model, trained on the text's lines on "
+            "the first run, --vocab-size pieces)"
         },
     )
     layers: int = field(
