@@ -139,7 +139,7 @@ def test_other_commands_refuse(argv: list[str], message: str, tmp: Path, capsys:
 
 
 def test_a_bug_in_training_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def bug(cfg: TrainConfig, restart: Any) -> Any:
+    def bug(cfg: TrainConfig, restart: Any, on_eval: Any) -> Any:
         raise ValueError("a bug deep in training")
 
     monkeypatch.setattr(train_loop, "_train", bug)
