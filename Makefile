@@ -43,9 +43,10 @@ bench: $(STAMP)
 	$(BIN)/gpipe bench --out runs/bench
 
 # The documentation site (Sphinx and MyST, docs/README.md) into docs/_build/html, strictly: a warning, a broken
-# cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too).
+# cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too). Only changed pages
+# are read again, but every page is written (-a), so that a new page shows in every page's sidebar.
 docs: $(STAMP)
-	$(BIN)/python -m sphinx -W --keep-going -q -b html -d docs/_build/doctrees docs docs/_build/html
+	$(BIN)/python -m sphinx -W --keep-going -q -a -b html -d docs/_build/doctrees docs docs/_build/html
 	@echo "docs/_build/html/index.html"
 
 clean:

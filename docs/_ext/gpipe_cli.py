@@ -23,6 +23,8 @@ PAGE = "reference/cli.md"
 
 # Inline code as the docstrings write it: ``code``, or a role :mod:`gpipe.x` / :func:`~gpipe.y`.
 _CODE = re.compile(r"``(.+?)``|:[\w:]+:`~?(.+?)`")
+# A flag in prose: --steps, -h (not the hyphen of AmoebaNet-D or K-stage).
+_FLAG = re.compile(r"(?<![\w-])--?[A-Za-z](?:[\w-]*\w)?")
 # Markdown's (and MyST's) inline punctuation, escaped in plain text.
 _SPECIAL = re.compile(r"([\\`*_\[\]<>{}|$#~!&^=+-])")
 
@@ -31,20 +33,33 @@ def _escape(text: str) -> str:
     return _SPECIAL.sub(r"\\\1", text)
 
 
-def _inline(text: str) -> str:
-    """One paragraph of docstring or help text as markdown: its code spans kept, the rest escaped."""
+def _flags(text: str, options: frozenset[str]) -> str:
+    """Plain text escaped, its flags as code: a flag of the command (``options``) links to its entry."""
     out, at = [], 0
-    for match in _CODE.finditer(text):
+    for match in _FLAG.finditer(text):
         out.append(_escape(text[at : match.start()]))
-        code = match.group(1) or match.group(2)
-        fence = "``" if "`" in code else "`"
-        out.append(f"{fence}{code}{fence}")
+        flag = match.group(0)
+        out.append(f"{{option}}`{flag}`" if flag in options else f"`{flag}`")
         at = match.end()
     out.append(_escape(text[at:]))
     return "".join(out)
 
 
-def _prose(text: str) -> list[str]:
+def _inline(text: str, options: frozenset[str] = frozenset()) -> str:
+    """One paragraph of docstring or help text as markdown: its code spans kept, flags as code (linked to
+    the command's own, ``options``), the rest escaped."""
+    out, at = [], 0
+    for match in _CODE.finditer(text):
+        out.append(_flags(text[at : match.start()], options))
+        code = match.group(1) or match.group(2)
+        fence = "``" if "`" in code else "`"
+        out.append(f"{fence}{code}{fence}")
+        at = match.end()
+    out.append(_flags(text[at:], options))
+    return "".join(out)
+
+
+def _prose(text: str, options: frozenset[str] = frozenset()) -> list[str]:
     """A description: paragraphs, and indented blocks (examples, ``::`` blocks) as code blocks."""
     blocks = [b for b in re.split(r"\n\s*\n", text.strip("\n")) if b.strip()]
     lines: list[str] = []
@@ -56,7 +71,7 @@ def _prose(text: str) -> list[str]:
         else:
             paragraph = " ".join(r.strip() for r in rows)
             paragraph = paragraph[:-1] if paragraph.endswith("::") else paragraph  # 'Then::' reads 'Then:'
-            lines += [_inline(paragraph), ""]
+            lines += [_inline(paragraph, options), ""]
     return lines
 
 
@@ -78,22 +93,22 @@ def _shown(action: argparse.Action) -> bool:
 
 def command_markdown(name: str, summary: str, parser: argparse.ArgumentParser) -> list[str]:
     """The section of one command: summary, usage, description, then each group of its arguments."""
-    lines = [f"(cli-{name})=", f"## gpipe {name}", "", _inline(summary), "", "```text", parser.format_usage().strip()]
-    lines += ["```", ""]
+    options = frozenset(o for a in parser._actions if _shown(a) for o in a.option_strings)
+    lines = [f"(cli-{name})=", f"## gpipe {name}", "", "```{program} " + parser.prog, "```", ""]
+    lines += [_inline(summary, options), "", "```text", parser.format_usage().strip(), "```", ""]
     if parser.description:
-        lines += _prose(parser.description)
-    lines += ["```{program} " + parser.prog, "```", ""]
+        lines += _prose(parser.description, options)
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if _shown(a)]
         if not actions:
             continue
         lines += [f"### {group.title}" if group.title else "### arguments", ""]
         if group.description:
-            lines += _prose(group.description)
+            lines += _prose(group.description, options)
         for action in actions:
-            lines += ["```{option} " + _signature(parser, action), _inline(_help(parser, action)), "```", ""]
+            lines += ["```{option} " + _signature(parser, action), _inline(_help(parser, action), options), "```", ""]
     if parser.epilog:
-        lines += _prose(parser.epilog)
+        lines += _prose(parser.epilog, options)
     return lines
 
 
@@ -111,7 +126,7 @@ def reference_markdown() -> str:
         "",
         "| command | what it does |",
         "|---|---|",
-        *(f"| [gpipe {name}](#cli-{name}) | {_inline(summary)} |" for name, summary in COMMANDS.items()),
+        *(f"| [`gpipe {name}`](#cli-{name}) | {_inline(summary)} |" for name, summary in COMMANDS.items()),
         "",
     ]
     for name, summary in COMMANDS.items():
