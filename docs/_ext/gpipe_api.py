@@ -1,13 +1,12 @@
-"""The API pages' docstrings: their ``Args:`` sections, and references to gpipe's internals.
+"""The API pages' docstrings: their ``Args:`` sections, classes' bases, and references to gpipe's internals.
 
 A docstring's ``Args:`` section (each ``name: text`` indented under it) becomes the parameter list, and
 ``Returns:`` its return value, as autodoc reads them: the text after a colon stays text (Napoleon would read
-``The number of layers: ...`` as a type).
+``The number of layers: ...`` as a type). autodoc's "Bases: object" is dropped; other bases stay. Data a module
+imports (``gpipe.schedule.STAGE_WIDE``) gets the docstring written where it is defined, not its type's.
 
-Cross-references to gpipe's own modules and objects that have no page:
-
-The docstrings name internal modules and helpers too (``:mod:`gpipe.runtime.decoding```, a TypeVar in a
-signature). The API pages document the public modules only, so such a reference has no target; with
+The docstrings also name internal modules and helpers (``:mod:`gpipe.runtime.decoding```, a TypeVar in a
+signature). The API pages document the public modules only, so such a reference has no target, and with
 ``nitpicky`` it would fail the build although nothing is wrong. A reference whose target is not documented is
 looked up in the code instead: when it names a gpipe module or object that exists (tried as Python resolves
 it: inside the current class, the current module, then as written), it is shown as code, without a link;
@@ -18,12 +17,15 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from typing import Any
 
 from docutils import nodes
 from sphinx.addnodes import pending_xref
 from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
+from sphinx.errors import PycodeError
+from sphinx.pycode import ModuleAnalyzer
 
 
 def exists(dotted: str) -> bool:
@@ -109,11 +111,37 @@ def fields(lines: list[str]) -> list[str]:
     return out
 
 
+def defined_doc(name: str, obj: Any) -> list[str]:
+    """The docstring of data a module imports (``gpipe.schedule.STAGE_WIDE``), read where it is defined: the
+    string after its assignment in the gpipe module whose attribute of that name it is."""
+    short = name.rpartition(".")[2]
+    for modname, module in sorted(sys.modules.items()):
+        if not modname.startswith("gpipe.") or getattr(module, short, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except PycodeError:
+            continue
+        if ("", short) in docs:
+            return list(docs[("", short)])
+    return []
+
+
 def _docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+    if what == "data" and (not lines or "\n".join(lines).strip() == (type(obj).__doc__ or "").strip()):
+        lines[:] = defined_doc(name, obj)  # not its type's docstring (dict's, tuple's)
     lines[:] = fields(lines)
+
+
+def _no_object_base(app: Sphinx, doctree: nodes.document) -> None:
+    """Drop autodoc's "Bases: object": it says nothing (other bases stay)."""
+    for paragraph in list(doctree.findall(nodes.paragraph)):
+        if paragraph.astext() == "Bases: object":
+            paragraph.parent.remove(paragraph)
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("autodoc-process-docstring", _docstring)
+    app.connect("doctree-read", _no_object_base)
     app.connect("missing-reference", _unlinked)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
