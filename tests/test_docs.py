@@ -80,13 +80,17 @@ def test_the_site_builds_strictly(site: Path) -> None:
 def test_a_strict_build_fails_on_what_is_broken(tmp_path: Path) -> None:
     """The same configuration on a page with a dead link, a dead anchor, a reference to a function gpipe lacks
     and a timeline of a bad command: the build fails and names each, and nothing else (a reference to an
-    internal module that exists, a timeline with its options and a link to it are fine)."""
+    internal module that exists, a timeline with its options and a link to it, links to a file and a folder
+    outside the documentation are fine)."""
     source = tmp_path / "source"
     source.mkdir()
+    (tmp_path / "data.txt").write_text("a file of the repository, outside the documentation\n")
+    (tmp_path / "folder").mkdir()
     (source / "index.md").write_text(
         "# Broken\n\n"
         "[a dead link](nowhere.md), [a dead anchor](#no-such-heading), {py:func}`gpipe.no_such_function`, "
-        "{py:mod}`gpipe.runtime.decoding`, {ref}`the timeline <timeline>`.\n\n"
+        "{py:mod}`gpipe.runtime.decoding`, {ref}`the timeline <timeline>`, [a file](../data.txt), "
+        "[a folder](../folder/).\n\n"
         "```{gpipe-schedule} --stages 0\n```\n\n"
         "```{gpipe-schedule} --schedule zb-h1 --stages 2 --chunks 4\n:name: timeline\n:output:\n:format: png\n\n"
         "ZB-H1 on two workers.\n```\n\n"
@@ -101,6 +105,9 @@ def test_a_strict_build_fails_on_what_is_broken(tmp_path: Path) -> None:
     page = (tmp_path / "out/html/index.html").read_text()  # written despite the failure (--keep-going)
     assert re.search(r'<img[^>]+src="_images/schedule-[0-9a-f]+\.png"', page) and "ZB-H1 on two workers." in page
     assert "$ gpipe schedule --schedule zb-h1 --stages 2 --chunks 4" in html.unescape(page) and "bubble" in page
+    # links written for GitHub: a file outside the documentation is a download, a folder its text
+    assert re.search(r'href="_downloads/[0-9a-f]+/data\.txt"', page) and "a folder" in page
+    assert "../folder" not in page
 
 
 # --- the command-line reference ---------------------------------------------------------------------------

@@ -5,11 +5,14 @@ included file's links are written relative to itself, for GitHub, while MyST res
 links against the including page. At build time, and without touching the files:
 
 - in included text (``include-read``), every relative link or image is rewritten relative to the including
-  page; a link to a file that is not a page of the site (a report, a JSON file) becomes a download
-  (MyST's ``path:``), Sphinx copying the file beside the pages;
+  page;
 - in any text (``source-read`` and ``include-read``), a link to a file that a page includes becomes a link
   to that page, with its ``#anchor``: ``docs/hf.md``'s ``../benchmarks/README.md#...`` lands on the
-  benchmarks page.
+  benchmarks page; a link to another file of the repository outside ``docs/`` (a report, a JSON file, a
+  script) becomes a download (MyST's ``path:``, Sphinx copying the file beside the pages); a link to a folder
+  of the repository (``../configs/``), which no page shows, becomes its text, unlinked.
+
+A link to nothing is left as it is: MyST names it, and a strict build fails.
 
 Code blocks are left alone. The included files are found by reading the pages' ``{include}`` directives.
 """
@@ -77,8 +80,9 @@ class _Rewriter:
         exclude = {(self.srcdir / p).resolve() for p in app.config.exclude_patterns if "*" not in p}
         self.included = _included(self.srcdir, exclude)
 
-    def target(self, target: str, here: Path, page: Path, image: bool) -> str:
-        """``target``, written in a file of folder ``here``, as the page of folder ``page`` must name it."""
+    def target(self, target: str, here: Path, page: Path, image: bool) -> str | None:
+        """``target``, written in a file of folder ``here``, as the page of folder ``page`` must name it; None
+        for a link to a folder of the repository, which no page shows (its text stays, unlinked)."""
         bare = target[1:-1] if target.startswith("<") and target.endswith(">") else target
         if not bare or bare.startswith(("#", "/")) or _SCHEME.match(bare):
             return target
@@ -86,19 +90,25 @@ class _Rewriter:
         resolved = (here / path).resolve()
         if resolved in self.included and not image:
             return os.path.relpath(self.included[resolved], page) + hashmark + fragment
-        if here == page:
-            return target
-        relative = os.path.relpath(resolved, page) + hashmark + fragment
-        is_page = resolved.is_relative_to(self.srcdir) and resolved.name.endswith(self.suffixes)
-        return relative if image or is_page else "path:" + relative
+        inside = resolved.is_relative_to(self.srcdir)
+        in_repository = resolved.is_relative_to(self.srcdir.parent) and resolved.exists()
+        if image or inside or not in_repository:
+            # a page, an image, or a dead link (MyST names it): only included text needs its path rewritten
+            return target if here == page else os.path.relpath(resolved, page) + hashmark + fragment
+        if resolved.is_dir():
+            return None
+        return "path:" + os.path.relpath(resolved, page)  # a file of the repository: a download
 
     def text(self, text: str, here: Path, page: Path) -> str:
         def inline(match: re.Match[str]) -> str:
             new = self.target(match["target"], here, page, image=bool(match["bang"]))
+            if new is None:
+                return match["text"]
             return f"{match['bang']}[{match['text']}]({new}{match['title'] or ''})"
 
         def definition(match: re.Match[str]) -> str:
-            return match["lead"] + self.target(match["target"], here, page, image=False)
+            new = self.target(match["target"], here, page, image=False)
+            return match[0] if new is None else match["lead"] + new
 
         out, at = [], 0
         for start, end in _outside_code(text):
