@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench docs clean
 
 # torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages. The
 # dev extra is the hf and tensorboard extras and the tools (README: installing with pip alone).
@@ -26,8 +26,8 @@ demo: $(STAMP)
 	$(BIN)/gpipe demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests benchmarks examples docs/conf.py docs/_ext
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -42,5 +42,12 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/gpipe bench --out runs/bench
 
+# The documentation site (Sphinx and MyST, docs/README.md) into docs/_build/html, strictly: a warning, a broken
+# cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too). Only changed pages
+# are read again, but every page is written (-a), so that a new page shows in every page's sidebar.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -a -b html -d docs/_build/doctrees docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis docs/_build

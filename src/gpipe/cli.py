@@ -18,12 +18,14 @@ only when it runs, so ``gpipe schedule`` loads neither SentencePiece nor sacrebl
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "command_parser", "main"]
 
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
@@ -79,6 +81,14 @@ def _command(name: str) -> Callable[[Sequence[str]], int]:
     else:
         from gpipe.commands.vocab import main
     return main
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``gpipe NAME`` (what ``gpipe NAME -h`` prints): the command module's own ``_parser()``.
+    The documentation's command-line reference is drawn from it (docs/_ext/gpipe_cli.py)."""
+    module = importlib.import_module(_command(name).__module__)
+    parser: argparse.ArgumentParser = module._parser()
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -202,15 +202,19 @@ def _tracking(row: dict[str, Any]) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="gpipe bench", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--full", action="store_true", help="the full sizes (tens of minutes) instead of quick")
     parser.add_argument("--out", default="runs/bench", help="where the report goes (default: runs/bench)")
     parser.add_argument("--repeats", type=int, help="repetitions per measurement (default: 3 quick, 7 full)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated: {', '.join(SECTIONS)}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:  # only the flags are checked here: an error later is a bug, with its traceback
-        args = parser.parse_args(argv)
+        args = _parser().parse_args(argv)
         only = [s for s in args.only.split(",") if s]
         check(Path(args.out), only, args.repeats)
     except ValueError as exc:

@@ -411,6 +411,8 @@ SCHEDULES: dict[str, Generator] = {
     "v-half": v_half,  # the memory-controlled V schedules: gpipe.schedule.controllable
     "v-min": v_min,
 }
+"""The generators by name: ``SCHEDULES[name](K, M, v)`` is the :class:`Schedule` of K workers, M micro-batches
+and v stages per worker; :func:`make_schedule` looks it up and validates it."""
 
 
 def make_schedule(name: str, workers: int, microbatches: int, virtual: int = 1) -> Schedule:

@@ -91,9 +91,8 @@ def _flag_type(f: dataclasses.Field[Any]) -> Any:
     return (lambda v: v.lower() in ("1", "true", "yes", "on")) if kind is bool else kind
 
 
-def parse(argv: Sequence[str] | None = None) -> TrainConfig:
-    """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags;
-    checked (:meth:`TrainConfig.check`): a bad flag or setting raises :class:`ConfigError`."""
+def _parser() -> ArgumentParser:
+    """``gpipe train``'s parser: ``--config`` and a flag per :class:`TrainConfig` field, in groups."""
     parser = ArgumentParser(
         prog="gpipe train",
         usage="%(prog)s [--config FILE] [--SETTING VALUE ...]",
@@ -118,7 +117,13 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
             metavar = _METAVARS.get(f.name) or _METAVARS[str(f.type)]
             group.add_argument(flag, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS, metavar=metavar,
                                help=f"{f.metadata['help']} (default: {default})")  # fmt: skip
-    args = vars(parser.parse_args(argv))
+    return parser
+
+
+def parse(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The configuration from an optional ``--config`` file (TOML or JSON), overridden by flags;
+    checked (:meth:`TrainConfig.check`): a bad flag or setting raises :class:`ConfigError`."""
+    args = vars(_parser().parse_args(argv))
     path = args.pop("config", None)
     settings = read_config_file(str(paper.find(path, missing_ok=True))) if path else {}  # (a file, or a paper's name)
     given = started_settings({**settings, **args}, {f.name: f.default for f in fields(TrainConfig)})
