@@ -4,7 +4,7 @@ demo's default rate, best BLEU and wall time.
     .venv/bin/python benchmarks/sweep.py --out benchmarks/results/sweep     # ≈ 15 min here
 
 The demo's run (``gpipe demo``: the built-in synthetic language pairs written as text files, a shared
-SentencePiece vocabulary of 256 pieces, the default T(2, 256, 4) on two stages, 200 steps) twice:
+SentencePiece vocabulary of 270 pieces, the default T(2, 256, 4) on two stages, 200 steps) twice:
 
 - **the default**: ``gpipe train`` with the demo's settings, ``--lr 0.01``;
 - **the sweep**: ``gpipe sweep`` over ``lr`` in [1e-3, 1e-1] (log scale), 8 trials, TPE, the median pruner
@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
+from gpipe.demo import VOCAB_SIZE
 from gpipe.sweep.report import toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
 PRUNE_AFTER = 100  # BLEU at step 50 is under 1 for every rate: the pruner judges from step 100 on
-SETTINGS = {"vocab-size": 256, "steps": 200, "eval-every": 50, "progress": False}  # the demo's, evaluated 4 times
+SETTINGS = {"vocab-size": VOCAB_SIZE, "steps": 200, "eval-every": 50, "progress": False}  # the demo's; 4 evaluations
 
 
 def _gpipe(*args: str) -> float:
