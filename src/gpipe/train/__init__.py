@@ -23,6 +23,8 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --on-nonfinite skip --max-skips 5  # a NaN or Inf is named where it appeared; its step skipped
     gpipe train --eval-every 0 --out runs/x        # never pause to evaluate: gpipe eval --watch runs/x does, beside it
 
+Each writes into ``--out`` (default ``runs/default``), which another run may not share: give each its own.
+
 Every ``--eval-every`` steps it evaluates (translation: loss and BLEU per language pair), every
 ``--health-every`` steps it logs the gradient norm, each layer's output-gradient norm and their ratio between
 the first and last block; metrics go to ``OUT/metrics.jsonl``, TensorBoard's ``OUT/tensorboard`` and the
