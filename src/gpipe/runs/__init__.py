@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
-from gpipe.runs.folder import METRICS, Run, duration, find_runs, read_run
+from gpipe.runs.folder import METRICS, Run, cell, duration, find_runs, read_run
 
 __all__ = ["Run", "columns", "find_runs", "main", "read_run", "table"]
 
@@ -62,14 +62,6 @@ def _sort_key(key: str) -> Any:
     return order
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def table(runs: Sequence[Run], *, as_csv: bool = False) -> str:
     """The runs as a table: aligned text (markdown), or CSV with full precision."""
     names = columns(runs)
@@ -82,8 +74,8 @@ def table(runs: Sequence[Run], *, as_csv: bool = False) -> str:
                          r.elapsed, r.status])  # fmt: skip
         else:
             status = f"{r.status}: {r.error}" if r.error else r.status
-            rows.append([str(r.path), *(_cell(r.settings.get(n)) for n in names), str(steps), _cell(r.loss),
-                         r.metric or "-", _cell(r.best), duration(r.elapsed), status])  # fmt: skip
+            rows.append([str(r.path), *(cell(r.settings.get(n)) for n in names), str(steps), cell(r.loss),
+                         r.metric or "-", cell(r.best), duration(r.elapsed), status])  # fmt: skip
     if as_csv:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

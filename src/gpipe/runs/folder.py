@@ -17,7 +17,18 @@ from typing import Any
 
 from gpipe.saving import latest
 
-__all__ = ["METRICS", "TRIAL", "Run", "best_of", "duration", "find_runs", "metrics_rows", "read_run", "trial_record"]
+__all__ = [
+    "METRICS",
+    "TRIAL",
+    "Run",
+    "best_of",
+    "cell",
+    "duration",
+    "find_runs",
+    "metrics_rows",
+    "read_run",
+    "trial_record",
+]
 
 TRIAL = "trial.json"  # in a sweep's trial folder: the trial's number, state, parameters, error
 # The evaluation metric a run is ranked by, the first its rows hold, and which way is better
@@ -63,6 +74,15 @@ def duration(seconds: float | None) -> str:
         return f"{seconds:.1f}s"
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes // 60}h {minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m {secs:02d}s"
+
+
+def cell(value: Any) -> str:
+    """A table's cell: a float to 4 significant digits, ``-`` for none."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def metrics_rows(folder: Path) -> list[dict[str, Any]]:

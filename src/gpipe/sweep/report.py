@@ -8,7 +8,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from gpipe.runs.folder import duration, read_run
+from gpipe.runs.folder import cell, duration, read_run
 from gpipe.saving.folders import write_atomically
 from gpipe.train.checks import flag
 
@@ -22,14 +22,6 @@ __all__ = ["toml_value", "write_best", "write_results"]
 
 _STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "interrupted",
            "WAITING": "waiting"}  # fmt: skip
-
-
-def _number(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) -> None:
@@ -56,8 +48,8 @@ def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) 
         run = read_run(out / f"trial-{t.number:03d}")
         state = _STATES.get(t.state.name, t.state.name.lower())
         value = t.value if t.state.name == "COMPLETE" else _reported(t, s.direction)
-        cells = [str(t.number), state, *(_number(t.params.get(n)) for n in names), str(run.steps),
-                 _number(run.loss), _number(value), duration(run.elapsed)]  # fmt: skip
+        cells = [str(t.number), state, *(cell(t.params.get(n)) for n in names), str(run.steps),
+                 cell(run.loss), cell(value), duration(run.elapsed)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
         if error := t.user_attrs.get("error"):
             errors.append(f"- trial {t.number}: {error}")
