@@ -128,3 +128,91 @@ class Launches:
         if isinstance(done, BaseException):
             raise AssertionError(f"the launch of {group!r} (case {key!r} among others) failed") from done
         return done[key]
+
+
+class Pool:
+    """The multi-process cases of every test module pytest imports, run a few launches in all instead
+    of one or more per module (each launch costs seconds: processes, ``import torch``, the process
+    group). A module adds its cases as it is imported (:meth:`add`: at collection, before any test
+    runs), and its tests read their results through the session's ``pool`` fixture
+    (tests/conftest.py). The first result asked for starts the launch that holds its case: the cases
+    of one world size, in the order added, at most ``MAX_CASES`` a launch (each holds its process
+    groups to the end: a bound on the sockets); a case that loads what another saved (``after``) runs
+    in a later launch, in other processes, once that one ran. So a run of one module launches its own
+    cases alone, and a test's duration may hold a launch of other modules' cases with its own.
+    Paths in a case's arguments are written '{pool}/...', the session's folder (:meth:`path`). A failed
+    launch fails the check of each of its cases with its error, whose output names the case that
+    failed; the launch does not start again."""
+
+    MAX_CASES = 16
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.cases: dict[str, tuple[int, str, dict[str, Any], str | None]] = {}  # key: world, case, kwargs, after
+        self.launch_of: dict[str, int] = {}  # key: its launch, once launches are planned
+        self.launches: list[tuple[int, list[str]]] = []  # world, keys
+        self.done: dict[int, dict[str, list[Any]] | BaseException] = {}
+
+    def add(self, world: int, key: str, case: str, *, after: str | None = None, **kwargs: Any) -> str:
+        """Case ``key`` (unique over the modules): ``case`` with ``kwargs`` on ``world`` ranks, after
+        case ``after`` in an earlier launch. Returns the key."""
+        entry = (world, case, kwargs, after)
+        if self.cases.setdefault(key, entry) != entry:
+            raise ValueError(f"the pool holds another case {key!r}")
+        return key
+
+    def path(self, *parts: str) -> Path:
+        """What '{pool}/<parts>' names in a case's arguments."""
+        assert self.root is not None, "the pool's folder is set by the session's pool fixture"
+        return self.root.joinpath(*parts)
+
+    def _level(self, key: str) -> int:
+        after = self.cases[key][3]
+        return 0 if after is None else 1 + self._level(after)
+
+    def _plan(self) -> None:
+        """Launches for the cases not yet in one: by world and level (after's), in the order added."""
+        groups: dict[tuple[int, int], list[str]] = {}
+        for key, (world, _, _, _) in self.cases.items():
+            if key not in self.launch_of:
+                groups.setdefault((world, self._level(key)), []).append(key)
+        for (world, _), keys in sorted(groups.items(), key=lambda item: item[0][1]):
+            for start in range(0, len(keys), self.MAX_CASES):
+                chunk = keys[start : start + self.MAX_CASES]
+                self.launch_of |= {k: len(self.launches) for k in chunk}
+                self.launches.append((world, chunk))
+
+    def _kwargs(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace("{pool}", str(self.path()))
+        if isinstance(value, dict):
+            return {k: self._kwargs(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._kwargs(v) for v in value]
+        return value
+
+    def _run(self, index: int) -> dict[str, list[Any]]:
+        if index not in self.done:
+            world, keys = self.launches[index]
+            try:
+                for key in keys:  # what the cases load was saved
+                    if self.cases[key][3] is not None:
+                        self(self.cases[key][3])
+                cases = {key: (self.cases[key][1], self._kwargs(self.cases[key][2])) for key in keys}
+                self.done[index] = run_cases(world, self.path(f"launch-{index}"), cases, timeout=280)
+            except Exception as e:
+                self.done[index] = e
+        done = self.done[index]
+        if isinstance(done, BaseException):
+            raise AssertionError(f"launch {index} of the pool failed: {self.launches[index]}") from done
+        return done
+
+    def __call__(self, key: str) -> list[Any]:
+        """Case ``key``'s results, by rank."""
+        if key not in self.launch_of:
+            self._plan()
+        return self._run(self.launch_of[key])[key]
+
+
+POOL = Pool()
+"""The session's pool: test modules add their cases to it as they are imported."""
