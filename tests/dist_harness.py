@@ -95,41 +95,6 @@ def run_cases(world: int, out_dir: Path, cases: Cases, *, timeout: float = 180) 
     return {key: [r[key] for r in ranks] for key in cases}
 
 
-class Launches:
-    """Groups of cases, ``{group: (world, cases)}``, each group run in one launch (:func:`run_cases`)
-    when a result of it is first asked for (a module-scoped fixture of the tests that check them:
-    tests that select a few cases start the launches they need alone), after the group it ``needs``
-    (``{group: earlier group}``: one that loads what the other saves, in other processes). A launch
-    that failed fails every check of its cases with its error, without starting again."""
-
-    def __init__(
-        self,
-        root: Path,
-        groups: dict[str, tuple[int, Cases]],
-        *,
-        timeout: float = 180,
-        needs: dict[str, str] | None = None,
-    ) -> None:
-        self.root, self.groups, self.timeout, self.needs = root, groups, timeout, needs or {}
-        self.done: dict[str, dict[str, list[Any]] | BaseException] = {}
-
-    def __call__(self, group: str, key: str) -> list[Any]:
-        """The results of case ``key`` of ``group``, by rank."""
-        if group in self.needs:
-            first = self.needs[group]
-            self(first, next(iter(self.groups[first][1])))
-        if group not in self.done:
-            world, cases = self.groups[group]
-            try:
-                self.done[group] = run_cases(world, self.root / group, cases, timeout=self.timeout)
-            except Exception as e:
-                self.done[group] = e
-        done = self.done[group]
-        if isinstance(done, BaseException):
-            raise AssertionError(f"the launch of {group!r} (case {key!r} among others) failed") from done
-        return done[key]
-
-
 class Pool:
     """The multi-process cases of every test module pytest imports, run a few launches in all instead
     of one or more per module (each launch costs seconds: processes, ``import torch``, the process

@@ -30,7 +30,7 @@ from gpipe import GPipe, Pipeline, load_checkpoint, save_checkpoint
 from gpipe.models import transformer
 from gpipe.saving import AsyncSave, CheckpointError, NoSpaceError, latest, layer_state
 from tests import dist_cases
-from tests.dist_harness import ROOT, Cases, Launches, run_ranks
+from tests.dist_harness import POOL, ROOT, Pool
 from tests.helpers import even
 
 VOCAB = 40
@@ -482,24 +482,23 @@ def test_a_process_killed_during_an_asynchronous_save_keeps_the_previous_checkpo
 # Several ranks (gloo): each writes its own stages' entries; one process loads them at any K.
 
 
-@pytest.fixture(scope="module")
-def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """Two ranks save with Adam's state, in the foreground ('sync') and in the background ('async'),
-    each into its own folder ('<case>/ckpt', a damaged copy in '<case>/damaged'): both in one launch
-    (each launch costs seconds)."""
-    root = tmp_path_factory.mktemp("two")
-    cases: Cases = {
-        how: ("train_and_save_with_optimizer", {"directory": str(root / how / "ckpt"), "steps": 2,
-              "asynchronous": how == "async", "damaged": str(root / how / "damaged")})
-        for how in ("sync", "async")
-    }  # fmt: skip
-    return Launches(root, {"2": (2, cases)}, timeout=200)
+# Two ranks save with Adam's state, in the foreground ('sync') and in the background ('async'), each
+# into its own folder ('dcp-<how>/ckpt', a damaged copy in 'dcp-<how>/damaged'); two replicas of two
+# stages save theirs: cases of the session's pool (tests/dist_harness.py: a few launches in all).
+SAVED_BY_TWO = {
+    how: POOL.add(
+        2, f"dcp {how}", "train_and_save_with_optimizer", directory=f"{{pool}}/dcp-{how}/ckpt", steps=2,
+        asynchronous=how == "async", damaged=f"{{pool}}/dcp-{how}/damaged",
+    )
+    for how in ("sync", "async")
+}  # fmt: skip
+REPLICAS = POOL.add(4, "dcp replicas", "train_and_save_with_optimizer", directory="{pool}/dcp-dp/ckpt", steps=2, dp=2)
 
 
 @pytest.mark.parametrize("how", ["sync", "async"])
-def test_saved_by_two_ranks_with_adam_resumes_in_one_process(saved_by_two: Launches, how: str) -> None:
-    ranks = saved_by_two("2", how)
-    tmp_path = saved_by_two.root / how
+def test_saved_by_two_ranks_with_adam_resumes_in_one_process(pool: Pool, how: str) -> None:
+    ranks = pool(SAVED_BY_TWO[how])
+    tmp_path = pool.path(f"dcp-{how}")
     ckpt = tmp_path / "ckpt"
     step = ckpt / "step-00000002"
     assert sorted(p.name for p in step.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
@@ -530,11 +529,9 @@ def test_saved_by_two_ranks_with_adam_resumes_in_one_process(saved_by_two: Launc
         assert_equal_state(one["after"], after)
 
 
-def test_data_parallel_replicas_write_one_copy(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ranks = run_ranks(
-        "train_and_save_with_optimizer", 4, tmp_path / "a", timeout=150, directory=str(ckpt), steps=2, dp=2
-    )
+def test_data_parallel_replicas_write_one_copy(pool: Pool) -> None:
+    ranks = pool(REPLICAS)
+    ckpt = pool.path("dcp-dp", "ckpt")
     step = ckpt / "step-00000002"
     data = sorted(p.name for p in step.glob("*.distcp"))
     assert len(data) == 2, f"one file per rank of the first replica: {data}"

@@ -13,7 +13,7 @@ import gpipe.schedule
 from gpipe import AutoSchedule
 from gpipe.schedule import StageCosts, make_schedule, plan
 from tests import dist_cases
-from tests.dist_harness import Cases, Launches, RanksFailedError, run_ranks, start, wait
+from tests.dist_harness import POOL, Pool, RanksFailedError, run_ranks, start, wait
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 NEW_SCHEDULES = ["zb-h2", "zb-v", "dualpipev"]  # (on 2 ranks only: each launch of processes costs seconds)
@@ -21,21 +21,12 @@ CASES = [(s, w) for s in SCHEDULES for w in (2, 4)] + [(s, 2) for s in NEW_SCHED
 DATA_PARALLEL = ["1f1b", "zb-h1"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """The runs of this module that succeed, those of one world in one launch (each launch costs
-    seconds): a step of each of CASES and one with dropout on 2 and 4 ranks, dp2 x pp2 under each of
-    DATA_PARALLEL, the auto schedule and a trace on 2."""
-    groups: dict[str, tuple[int, Cases]] = {"2": (2, {}), "4": (4, {})}
-    for schedule, world in CASES:
-        groups[str(world)][1][schedule] = ("step", {"schedule": schedule, "chunks": 4})
-    for _, cases in groups.values():
-        cases["dropout"] = ("step", {"schedule": "1f1b", "chunks": 4, "dropout": 0.3})
-    for schedule in DATA_PARALLEL:
-        groups["4"][1][f"dp {schedule}"] = ("data_parallel", {"schedule": schedule, "dp": 2, "chunks": 2})
-    groups["2"][1]["auto"] = ("auto_steps", {"chunks": 4, "steps": 3})
-    groups["2"][1]["trace"] = ("trace_of_rank", {})
-    return Launches(tmp_path_factory.mktemp("dist"), groups, timeout=280)
+# The runs that succeed, as cases of the session's pool (tests/dist_harness.py: a few launches in all).
+STEP = {(s, w): POOL.add(w, f"distributed {s}-{w}", "step", schedule=s, chunks=4) for s, w in CASES}
+DROPOUT = {w: POOL.add(w, f"distributed dropout-{w}", "step", schedule="1f1b", chunks=4, dropout=0.3) for w in (2, 4)}
+DP = {s: POOL.add(4, f"distributed dp {s}", "data_parallel", schedule=s, dp=2, chunks=2) for s in DATA_PARALLEL}
+AUTO = POOL.add(2, "distributed auto", "auto_steps", chunks=4, steps=3)
+TRACE = POOL.add(2, "distributed trace", "trace_of_rank")
 
 
 def single_process(schedule: Any, world: int, chunks: int, dropout: float = 0.0) -> dict[str, object]:
@@ -55,8 +46,8 @@ def plain_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(("schedule", "world"), CASES, ids=[f"{s}-{w}" for s, w in CASES])
-def test_every_schedule_across_processes(runs: Launches, schedule: str, world: int) -> None:
-    ranks = runs(str(world), schedule)
+def test_every_schedule_across_processes(pool: Pool, schedule: str, world: int) -> None:
+    ranks = pool(STEP[schedule, world])
     reference = single_process(schedule, world, 4)
     plain_loss, plain = plain_grads()
     merged: dict[str, torch.Tensor] = {}
@@ -81,10 +72,10 @@ def test_every_schedule_is_covered() -> None:
     assert {s for s, _ in CASES} | {"v-half", "v-min"} == set(gpipe.schedule.SCHEDULES)
 
 
-def test_auto_plans_alike_on_every_rank(runs: Launches) -> None:
+def test_auto_plans_alike_on_every_rank(pool: Pool) -> None:
     """The ranks gather their measured costs and build the same schedule; from given costs the plan
     is fixed, and the step bitwise one process's."""
-    ranks = runs("2", "auto")
+    ranks = pool(AUTO)
     auto = [r["auto"] for r in ranks]
     assert auto[0]["ran"] == auto[1]["ran"] and auto[0]["next"] == auto[1]["next"]
     assert auto[0]["replans"] == auto[1]["replans"] >= 1
@@ -112,11 +103,11 @@ def by_layer(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {re.sub(r"^partitions\.\d+\.", "", n): g for n, g in grads.items()}
 
 
-def test_dropout_bitwise_across_one_two_four_ranks(runs: Launches) -> None:
+def test_dropout_bitwise_across_one_two_four_ranks(pool: Pool) -> None:
     one = single_process("1f1b", 1, 4, dropout=0.3)
     expected = by_layer(one["grads"])  # type: ignore[arg-type]
     for world in (2, 4):
-        ranks = runs(str(world), "dropout")
+        ranks = pool(DROPOUT[world])
         merged = by_layer({n: g for out in ranks for n, g in out["grads"].items()})
         assert set(merged) == set(expected)
         assert torch.equal(ranks[0]["losses"][0], one["loss"])
@@ -147,9 +138,9 @@ def test_a_killed_rank_stops_the_others_within_a_minute(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("schedule", DATA_PARALLEL)
-def test_data_parallel_times_pipeline(runs: Launches, schedule: str) -> None:
+def test_data_parallel_times_pipeline(pool: Pool, schedule: str) -> None:
     """dp=2 x pp=2 on 4 processes equals one process on the same global batch."""
-    ranks = runs("4", f"dp {schedule}")
+    ranks = pool(DP[schedule])
     reference = single_process(schedule, 2, 4)  # the global batch of 16 in micro-batches of 4 alike
     assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
     for r in ranks:
@@ -161,8 +152,8 @@ def test_data_parallel_times_pipeline(runs: Launches, schedule: str) -> None:
             torch.testing.assert_close(g, reference["grads"][name])  # type: ignore[index]
 
 
-def test_each_rank_traces_its_own_actions(runs: Launches) -> None:
-    ranks = runs("2", "trace")
+def test_each_rank_traces_its_own_actions(pool: Pool) -> None:
+    ranks = pool(TRACE)
     for r in ranks:
         assert r["actions"] == 3 * 4  # F, I, W of 4 micro-batches on its one stage
         assert r["workers"] == 1 and r["busy"][0] > 0

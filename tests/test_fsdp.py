@@ -12,7 +12,7 @@ import torch
 
 from gpipe import Pipeline
 from tests import dist_fsdp
-from tests.dist_harness import Cases, Launches
+from tests.dist_harness import POOL, Pool
 
 CASES = [
     ("mlp", "zb-v"),
@@ -28,30 +28,20 @@ STAGES = {"zb-v": 2, "interleaved-1f1b": 2}
 STEPS, LR = 3, 1e-2
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """Every 4-rank run of this module, in two launches of 4 processes (each launch costs seconds):
-    'train' trains each case of CASES and the tied model sharded, and saves a checkpoint; 'load'
-    (other processes: nothing of the saving one's memory helps) loads it, and trains the tied model
-    replicated."""
-    root = tmp_path_factory.mktemp("fsdp")
-    ckpt = str(root / "ckpt")
-    train: Cases = {
-        f"{kind}-{schedule}": (
-            "dist_fsdp:sharded_train", {"kind": kind, "schedule": schedule, "dp": 2, "steps": STEPS, "lr": LR}
-        )
-        for kind, schedule in CASES
-    }  # fmt: skip
-    train["tied sharded"] = ("dist_fsdp:tied_train", {"steps": 3, "fsdp": True})
-    train["save"] = (
-        "dist_fsdp:split_save",
-        {"directory": ckpt, "steps": 2, "kind": "mlp", "dp": 2, "fsdp": True, "tp": 1, "chunks": 4},
-    )
-    load: Cases = {
-        "load": ("dist_fsdp:load_and_step", {"directory": ckpt, "dp": 2, "fsdp": True}),
-        "tied replicated": ("dist_fsdp:tied_train", {"steps": 3, "fsdp": False}),
-    }
-    return Launches(root, {"train": (4, train), "load": (4, load)}, timeout=280, needs={"load": "train"})
+# The 4-rank runs, as cases of the session's pool (tests/dist_harness.py: a few launches in all); the
+# checkpoint saved is loaded in a later launch (other processes: nothing of the saving one's memory helps).
+TRAIN = {
+    c: POOL.add(4, f"fsdp {c[0]}-{c[1]}", "dist_fsdp:sharded_train", kind=c[0], schedule=c[1], dp=2, steps=STEPS, lr=LR)
+    for c in CASES
+}
+TIED = {
+    fsdp: POOL.add(4, f"fsdp tied, fsdp={fsdp}", "dist_fsdp:tied_train", steps=3, fsdp=fsdp) for fsdp in (True, False)
+}
+SAVE = POOL.add(
+    4, "fsdp save", "dist_fsdp:split_save", directory="{pool}/fsdp-ckpt", steps=2, kind="mlp", dp=2, fsdp=True, tp=1,
+    chunks=4,
+)  # fmt: skip
+LOAD = POOL.add(4, "fsdp load", "dist_fsdp:load_and_step", after=SAVE, directory="{pool}/fsdp-ckpt", dp=2, fsdp=True)
 
 
 def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor]:
@@ -59,8 +49,8 @@ def _merged(ranks: list[dict[str, Any]], dp_rank: int) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize(("kind", "schedule"), CASES, ids=[f"{k}-{s}" for k, s in CASES])
-def test_sharded_pipeline_trains_as_the_plain_model(runs: Launches, kind: str, schedule: str) -> None:
-    ranks = runs("train", f"{kind}-{schedule}")
+def test_sharded_pipeline_trains_as_the_plain_model(pool: Pool, kind: str, schedule: str) -> None:
+    ranks = pool(TRAIN[kind, schedule])
     plain = dist_fsdp.plain_reference(kind, STEPS, LR)
     assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
     for r in ranks:
@@ -97,25 +87,25 @@ def test_fsdp_needs_data_parallel_replicas() -> None:
         Pipeline(model, [16], chunks=2, loss_fn=loss_fn, fsdp="yes")  # type: ignore[arg-type]
 
 
-def test_checkpoints_move_between_sharded_and_replicated_layouts(runs: Launches) -> None:
+def test_checkpoints_move_between_sharded_and_replicated_layouts(pool: Pool) -> None:
     """Saved at pp2 x fsdp2 (each replica writes its shards), resumed at pp2 x fsdp2 and in one
     process with 1 and 4 stages: the next step's loss is the uninterrupted run's."""
     from tests import dist_cases
 
-    expected = runs("train", "save")[0]["next"]
-    for r in runs("load", "load"):
+    expected = pool(SAVE)[0]["next"]
+    for r in pool(LOAD):
         assert r["step"] == 2
         torch.testing.assert_close(r["next"], expected, rtol=1e-6, atol=0)
     for workers in (1, 4):
-        one = dist_cases.load_with_optimizer_and_step(str(runs.root / "ckpt"), workers=workers)
+        one = dist_cases.load_with_optimizer_and_step(str(pool.path("fsdp-ckpt")), workers=workers)
         torch.testing.assert_close(one["next"], expected, rtol=1e-6, atol=0)
 
 
-def test_tied_weights_and_dropout_across_sharded_stages(runs: Launches) -> None:
+def test_tied_weights_and_dropout_across_sharded_stages(pool: Pool) -> None:
     """The embedding on stage 0 and the output projection on stage 1 are one parameter, with dropout
     between: sharded, the copies stay equal, and the run is the replicated run's (dropout's numbers
     follow (layer, micro-batch), not the layout: the losses bitwise)."""
-    sharded, replicated = runs("train", "tied sharded"), runs("load", "tied replicated")
+    sharded, replicated = pool(TIED[True]), pool(TIED[False])
     copies = {n: v for r in sharded for n, v in r["copies"].items()}
     assert set(copies) == {"0.weight", "5.weight"}
     assert torch.equal(copies["0.weight"], copies["5.weight"])

@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from gpipe import GPipe, Pipeline
 from gpipe.runtime.stage import Stage
 from tests.dist_cases import masked_data, masked_loss, masked_model
-from tests.dist_harness import Cases, Launches
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_all_close, grads
 
 
@@ -78,17 +78,14 @@ def test_values_that_need_gradients_still_get_them() -> None:
     assert_all_close(grads(pipe), grads(model), rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def across(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """A step of the masked model on two ranks with each checkpoint mode, both in one launch (each
-    launch costs seconds)."""
-    cases: Cases = {c: ("masked_step", {"schedule": "1f1b", "checkpoint": c}) for c in ("never", "always")}
-    return Launches(tmp_path_factory.mktemp("masked"), {"2": (2, cases)})
+MASKED = {
+    c: POOL.add(2, f"gradflow masked {c}", "masked_step", schedule="1f1b", checkpoint=c) for c in ("never", "always")
+}  # cases of the session's pool (tests/dist_harness.py: a few launches in all)
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_mask_gradient_is_not_sent_between_ranks(across: Launches, checkpoint: str) -> None:
-    ranks = across("2", checkpoint)
+def test_mask_gradient_is_not_sent_between_ranks(pool: Pool, checkpoint: str) -> None:
+    ranks = pool(MASKED[checkpoint])
     loss, expected = plain_grads()
     merged = {n: g for r in ranks for n, g in r["grads"].items()}  # partitions.<stage>.<layer>.<name>
     by_plain = {n.split(".", 2)[2]: g for n, g in merged.items()}

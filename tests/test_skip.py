@@ -14,7 +14,7 @@ from torch import nn
 from gpipe import GPipe, Pipeline
 from gpipe.skip import SkipError, pop, skippable, stash
 from tests import dist_cases
-from tests.dist_harness import Cases, Launches
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_all_close, even, step
 
 
@@ -68,21 +68,16 @@ def test_unet_with_gpipe_front_end(stages: int) -> None:
 ACROSS = [(2, "gpipe", False), (2, "1f1b", False), (4, "gpipe", False), (4, "1f1b", False), (2, "1f1b", True)]
 
 
-@pytest.fixture(scope="module")
-def across(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """The cases of ACROSS, those of one world in one launch (each launch costs seconds)."""
-    groups: dict[str, tuple[int, Cases]] = {}
-    for world, schedule, generators in ACROSS:
-        cases = groups.setdefault(str(world), (world, {}))[1]
-        cases[f"{schedule} {generators}"] = ("unet_step", {"schedule": schedule, "chunks": 4, "generators": generators})
-    return Launches(tmp_path_factory.mktemp("unet"), groups)
+ACROSS_RUNS = {
+    c: POOL.add(c[0], f"skip {c}", "unet_step", schedule=c[1], chunks=4, generators=c[2]) for c in ACROSS
+}  # cases of the session's pool (tests/dist_harness.py: a few launches in all)
 
 
 @pytest.mark.parametrize(("world", "schedule", "generators"), ACROSS)
-def test_unet_across_processes(across: Launches, world: int, schedule: str, generators: bool) -> None:
+def test_unet_across_processes(pool: Pool, world: int, schedule: str, generators: bool) -> None:
     """Plain-call skips, and (``generators``) torchgpipe's protocol with namespaces: numbered in
     creation order, every rank names them alike."""
-    ranks = across(str(world), f"{schedule} {generators}")
+    ranks = pool(ACROSS_RUNS[world, schedule, generators])
     loss_plain, grads_plain = plain(dist_cases.generator_unet if generators else dist_cases.unet)
     merged = by_layer({n: g for r in ranks for n, g in r["grads"].items()})
     assert set(merged) == set(grads_plain)

@@ -17,29 +17,29 @@ from gpipe import Pipeline
 from gpipe.distributed.tensor_parallel import check_plan, plan_of
 from gpipe.models.transformer import DecoderLayer, EncoderLayer
 from tests import dist_fsdp
-from tests.dist_harness import Cases, Launches, run_ranks
+from tests.dist_harness import POOL, Pool, run_ranks
 
 STEPS, LR = 3, 1e-2
 TP_CASES = [("transformer", "1f1b"), ("llama", "zb-h1"), ("blocks", "1f1b")]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
-    """The 4-rank runs of this module in two launches of 4 processes (each launch costs seconds):
-    'train' trains pp2 x tp2 on each of TP_CASES and dp2 x tp2, and saves a checkpoint at pp2 x tp2;
-    'load' (other processes: nothing of the saving one's memory helps) loads it at pp1 x fsdp2 x
-    tp2."""
-    root = tmp_path_factory.mktemp("tp")
-    ckpt = str(root / "ckpt")
-    common = {"steps": STEPS, "lr": LR, "fsdp": False, "tp": 2}
-    train: Cases = {
-        f"{kind}-{schedule}": ("dist_fsdp:sharded_train", {"kind": kind, "schedule": schedule, "dp": 1, **common})
-        for kind, schedule in TP_CASES
-    }
-    train["replicas"] = ("dist_fsdp:sharded_train", {"kind": "transformer", "schedule": "1f1b", "dp": 2, **common})
-    train["save"] = ("dist_fsdp:split_save", {"directory": ckpt, "steps": 2})
-    load: Cases = {"load": ("dist_fsdp:split_load", {"directory": ckpt, "dp": 2, "fsdp": True, "tp": 2})}
-    return Launches(root, {"train": (4, train), "load": (4, load)}, timeout=280, needs={"load": "train"})
+# The 4-rank pp2 x tp2 and dp2 x tp2 runs, and the save at pp2 x tp2 and its loads at pp1 x tp2 and pp1 x
+# fsdp2 x tp2 (in a later launch: other processes), as cases of the session's pool (tests/dist_harness.py:
+# a few launches in all).
+SPLIT = {"steps": STEPS, "lr": LR, "fsdp": False, "tp": 2}
+TRAIN = {
+    c: POOL.add(4, f"tp {c[0]}-{c[1]}", "dist_fsdp:sharded_train", kind=c[0], schedule=c[1], dp=1, **SPLIT)
+    for c in TP_CASES
+}
+REPLICAS = POOL.add(4, "tp replicas", "dist_fsdp:sharded_train", kind="transformer", schedule="1f1b", dp=2, **SPLIT)
+SAVE = POOL.add(4, "tp save", "dist_fsdp:split_save", directory="{pool}/tp-ckpt", steps=2)
+LOAD = {
+    world: POOL.add(
+        world, f"tp load on {world}", "dist_fsdp:split_load", after=SAVE, directory="{pool}/tp-ckpt", dp=dp,
+        fsdp=dp > 1, tp=2,
+    )
+    for world, dp in ((2, 1), (4, 2))
+}  # fmt: skip
 
 
 def _check(ranks: list[dict[str, Any]], kind: str, steps: int, lr: float) -> None:
@@ -58,8 +58,8 @@ def _check(ranks: list[dict[str, Any]], kind: str, steps: int, lr: float) -> Non
 
 
 @pytest.mark.parametrize(("kind", "schedule"), TP_CASES)
-def test_pipeline_times_tensor_parallel_trains_as_the_plain_model(runs: Launches, kind: str, schedule: str) -> None:
-    ranks = runs("train", f"{kind}-{schedule}")
+def test_pipeline_times_tensor_parallel_trains_as_the_plain_model(pool: Pool, kind: str, schedule: str) -> None:
+    ranks = pool(TRAIN[kind, schedule])
     _check(ranks, kind, STEPS, LR)
     # Each stage on 2 tp ranks: whole, the 4 ranks would hold the model twice; split, its projections once.
     total = dist_fsdp.plain_reference(kind, STEPS, LR)["parameters"]
@@ -68,9 +68,9 @@ def test_pipeline_times_tensor_parallel_trains_as_the_plain_model(runs: Launches
     assert held == sum(r["elements"]["gradients"] for r in ranks)
 
 
-def test_replicas_of_split_layers(runs: Launches) -> None:
+def test_replicas_of_split_layers(pool: Pool) -> None:
     """dp2 x tp2 replicated (one stage): the replicas all-reduce the split layers' shards."""
-    _check(runs("train", "replicas"), "transformer", STEPS, LR)
+    _check(pool(REPLICAS), "transformer", STEPS, LR)
 
 
 def test_pipeline_times_fsdp_times_tensor_parallel(tmp_path: Path) -> None:
@@ -131,20 +131,16 @@ def test_refusals(llama: nn.Sequential) -> None:
         Pipeline(mlp, [16], chunks=2, loss_fn=mse, tensor_parallel="2")  # type: ignore[arg-type]
 
 
-def test_checkpoints_move_between_split_and_whole_layouts(runs: Launches, tmp_path: Path) -> None:
+def test_checkpoints_move_between_split_and_whole_layouts(pool: Pool) -> None:
     """Saved at pp2 x tp2 (each tp rank writes its halves of the split projections), resumed at
     pp1 x tp2 and at pp1 x fsdp2 x tp2, and in one process with 1 and 3 stages: the uninterrupted
     run's next loss."""
-    ckpt, expected = str(runs.root / "ckpt"), runs("train", "save")[0]["next"]
-    moved = {
-        2: run_ranks("dist_fsdp:split_load", 2, tmp_path / "b2", directory=ckpt, dp=1, fsdp=False, tp=2),
-        4: runs("load", "load"),
-    }
+    expected = pool(SAVE)[0]["next"]
     for world in (2, 4):
-        for r in moved[world]:
+        for r in pool(LOAD[world]):
             assert r["step"] == 2
             torch.testing.assert_close(r["next"], expected, rtol=1e-6, atol=0)
     for workers in (1, 3):
-        resumed = dist_fsdp.load_in_one_process(ckpt, workers)
+        resumed = dist_fsdp.load_in_one_process(str(pool.path("tp-ckpt")), workers)
         assert resumed["step"] == 2
         torch.testing.assert_close(resumed["next"], expected, rtol=1e-6, atol=0)
