@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from gpipe.cache import Cache, LayerCache, layer_cache, using
 from gpipe.data import EOS, PAD
 from gpipe.decode import Chunk, beam_search, decode_batches, greedy
 from gpipe.models.transformer import Output, transformer, transformer_lm
-from tests.dist_harness import ROOT, free_port, wait
+from tests.dist_harness import POOL, Pool
 
 VOCAB = 20
 
@@ -274,49 +272,31 @@ def test_a_model_returning_something_else_is_named() -> None:
         greedy(lambda inputs: torch.zeros(5, VOCAB), source, start, max_len=5)
 
 
-# -- torch.distributed: one process per stage (gloo), run as python -m tests.test_decode OUT --
+# -- torch.distributed: one process per stage (gloo), a case of the session's pool (tests/dist_harness.py) --
 
 
 def _stream() -> list[Chunk]:
     return [Chunk(*data(30 + i, batch=2 + i), 5 + i) for i in range(4)]
 
 
-def _rank_main(out: str) -> None:
-    torch.set_num_threads(1)
+def decoded() -> dict[str, Any]:
+    """What each of two ranks decodes (tests.dist_entry): greedy, beam search and a stream of batches."""
     model = model_of(3)
     source, start = data(3)
     pipe = Pipeline(model, [2, 3], chunks=2, loss_fn=lambda out, target: out.sum()).eval()
     assert pipe.distributed and pipe.engine.placement.local_stages == (int(os.environ["RANK"]),)
-    result = {
+    return {
         "greedy": greedy(pipe, source, start, max_len=8),
         "beam": beam_search(pipe, source, start, beam=3, max_len=8),
         "stream": decode_batches(pipe, _stream(), beam=2, groups=3),
     }
-    torch.save(result, out)
-    torch.distributed.destroy_process_group()
 
 
-def test_every_rank_of_a_distributed_pipeline_decodes_alike(tmp_path: Path) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        }
-        cmd = [sys.executable, "-m", "tests.test_decode", str(tmp_path / f"rank{rank}.pt")]
-        procs.append(
-            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    codes, outputs, _ = wait(procs, 120)
-    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+ACROSS = POOL.add(2, "decode", "test_decode:decoded")
+
+
+def test_every_rank_of_a_distributed_pipeline_decodes_alike(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     model = model_of(3)
     source, start = data(3)
     expected = {
@@ -324,14 +304,9 @@ def test_every_rank_of_a_distributed_pipeline_decodes_alike(tmp_path: Path) -> N
         "beam": beam_search(model, source, start, beam=3, max_len=8, cache=False),
     }
     stream = [beam_search(model, c.source, c.start, beam=2, max_len=c.max_len, cache=False) for c in _stream()]
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, got in enumerate(ranks):
         for name in expected:
             assert torch.equal(got[name], expected[name]), (rank, name)
         assert len(got["stream"]) == len(stream)
         for tokens, want in zip(got["stream"], stream):
             assert torch.equal(tokens, want), rank
-
-
-if __name__ == "__main__":
-    _rank_main(sys.argv[1])

@@ -7,7 +7,6 @@ seeded sampling gives the same tokens whatever K and the groups; bad requests ar
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gpipe import Pipeline
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 from tests.test_generation_traced import EOS, built, prompts
 
 transformers = pytest.importorskip("transformers")
@@ -114,8 +113,12 @@ def test_bad_requests_are_refused_in_one_line() -> None:
 # -- torch.distributed: two ranks, one stage each ------------------------------------------------------
 
 
-def test_every_rank_of_a_distributed_pipeline_generates_the_models_tokens(tmp_path: Path) -> None:
-    results = run_ranks("generate_llama", 2, tmp_path, timeout=180)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "generate llama", "generate_llama")
+
+
+def test_every_rank_of_a_distributed_pipeline_generates_the_models_tokens(pool: Pool) -> None:
+    results = pool(ACROSS)
     model, pipe = pipeline("llama", 1)
     ids, mask = prompts((6, 3, 5, 4))
     expected = {

@@ -4,7 +4,6 @@ schedule and re-materialization."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 
 from gpipe import Pipeline
 from gpipe.nonfinite import NonFinite, all_finite, locate
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 
 ROWS, CHUNKS, WIDTH = 8, 4, 6
 
@@ -149,7 +148,11 @@ def test_a_parameter_gradient_alone_is_named_without_a_micro_batch() -> None:
     assert found.what == "the gradient of its parameter 'linear.weight'"
 
 
-def test_every_rank_finds_it_on_the_rank_where_it_appeared(tmp_path: Path) -> None:
-    ranks = run_ranks("nonfinite_across_ranks", 2, tmp_path)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "nonfinite", "nonfinite_across_ranks")
+
+
+def test_every_rank_finds_it_on_the_rank_where_it_appeared(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     said = "Inf in the forward of layer 2 (_InfAt) of stage 1 (rank 1, cpu), micro-batch 2"
     assert ranks == [{"finite": False, "found": said}] * 2

@@ -7,7 +7,6 @@ import collections
 import copy
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -19,7 +18,7 @@ from gpipe import GPipe, Pipeline
 from gpipe.microbatch import Batch, gather, scatter
 from tests import dist_cases
 from tests.dist_cases import Prediction, dict_data, dict_loss, dict_model
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_all_close
 
 
@@ -202,8 +201,12 @@ def test_gpipe_with_a_dict_gives_its_tensors_their_gradients(checkpoint: str) ->
     assert_all_close(grads, grads_plain)
 
 
-def test_a_dict_travels_between_ranks(tmp_path: Path) -> None:
-    ranks = run_ranks("dict_step", 2, tmp_path, timeout=180, schedule="1f1b", chunks=4)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "pytree", "dict_step", schedule="1f1b", chunks=4)
+
+
+def test_a_dict_travels_between_ranks(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     one = dist_cases.dict_step("1f1b", 4, workers=2)
     merged = {n: g for out in ranks for n, g in out["grads"].items()}
     assert set(merged) == set(one["grads"])

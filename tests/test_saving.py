@@ -14,12 +14,17 @@ from torch import nn
 import gpipe.saving
 from gpipe import GPipe, Pipeline, load_checkpoint, save_checkpoint
 from tests import dist_cases
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
+
+# Cases of the session's pool (tests/dist_harness.py: a few launches in all): the load in a later launch
+# (other processes: nothing of the saving one's memory helps).
+SAVE = POOL.add(2, "saving save on 2", "train_and_save", directory="{pool}/saving-ckpt", steps=3)
+LOAD = POOL.add(4, "saving load on 4", "load_and_step", after=SAVE, directory="{pool}/saving-ckpt")
 
 
-def test_saved_with_two_ranks_loads_into_four_ranks_and_one_process(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    saved = run_ranks("train_and_save", 2, tmp_path / "a", directory=str(ckpt), steps=3)
+def test_saved_with_two_ranks_loads_into_four_ranks_and_one_process(pool: Pool) -> None:
+    ckpt = pool.path("saving-ckpt")
+    saved = pool(SAVE)
     assert sorted(p.name for p in (ckpt / "step-00000003").iterdir()) == [
         ".metadata",  # DCP's index
         "__0_0.distcp",  # each rank's entries
@@ -28,7 +33,7 @@ def test_saved_with_two_ranks_loads_into_four_ranks_and_one_process(tmp_path: Pa
     ]
     expected = saved[0]["next"]
     assert torch.equal(saved[1]["next"], expected)
-    four = run_ranks("load_and_step", 4, tmp_path / "b", directory=str(ckpt))
+    four = pool(LOAD)
     one = dist_cases.load_and_step(str(ckpt))
     assert one["step"] == 3 and all(r["step"] == 3 for r in four)
     for result in [*four, one]:

@@ -5,7 +5,6 @@ steps they run exact against the plain model, bitwise across K, and across two p
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from gpipe.schedule import StageCosts, controllable, kind_cost, make_schedule, p
 from gpipe.schedule.controllable import block_slots
 from gpipe.schedule.ir import ActionKind, v_shape
 from tests import dist_cases
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_all_equal
 from tests.test_schedules_run import assert_exact, data, make, mlp, pipe_grads
 
@@ -202,8 +201,12 @@ def test_bitwise_across_partition_counts_with_dropout(name: str) -> None:
     assert_all_equal(results[2][1], results[4][1])
 
 
-def test_across_two_processes(tmp_path: Path) -> None:
-    ranks = run_ranks("controllable_steps", 2, tmp_path, chunks=4)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "controllable", "controllable_steps", chunks=4)
+
+
+def test_across_two_processes(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     model = dist_cases.mlp()
     x, y = dist_cases.data()
     plain_loss = torch.nn.functional.mse_loss(model(x), y)

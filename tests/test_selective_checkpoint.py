@@ -23,7 +23,7 @@ from gpipe.models import transformer_lm
 from gpipe.models.transformer import DecoderLayer
 from gpipe.train import TrainConfig, train
 from tests import dist_cases
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 
 aten = torch.ops.aten
 
@@ -245,9 +245,13 @@ def test_layers_beyond_the_model_and_unknown_modes_are_refused() -> None:
         Pipeline(lm(), [3, 3], chunks=2, loss_fn=lm_loss, checkpoint="sometimes")
 
 
-def test_torchrun_equals_one_process(tmp_path: Path) -> None:
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "selective", "selective_step", schedule="zb-h1", checkpoint="selective")
+
+
+def test_torchrun_equals_one_process(pool: Pool) -> None:
     """Two gloo ranks under zb-h1 with a selective policy: the loss and gradients of 'never' in one process."""
-    ranks = run_ranks("selective_step", 2, tmp_path, schedule="zb-h1", checkpoint="selective")
+    ranks = pool(ACROSS)
     expected = dist_cases.selective_step("zb-h1", checkpoint="never", world=2)
     assert all(r["loss"] == expected["loss"] for r in ranks)
     got = {n: g for r in ranks for n, g in r["grads"].items()}

@@ -12,7 +12,6 @@ import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from torch import Tensor, nn
 import gpipe
 from gpipe.sequential import ToSequentialError, repeated_blocks, to_sequential
 from tests import dist_cases, vision
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_close_norm, even, intra_op_threads
 
 transformers = pytest.importorskip("transformers")
@@ -371,8 +370,12 @@ def test_a_sequential_is_taken_as_it_is() -> None:
     assert to_sequential(model, torch.randn(1, 2)) is model
 
 
-def test_gpt2_under_torchrun_equals_one_process(tmp_path: Path) -> None:
-    ranks = run_ranks("gpt2_steps", 2, tmp_path, timeout=240)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "sequential gpt2", "gpt2_steps")
+
+
+def test_gpt2_under_torchrun_equals_one_process(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     alone = dist_cases.gpt2_steps(world=2)
     for r in ranks:
         for got, want in zip(r["losses"], alone["losses"]):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 from gpipe import Pipeline
 from tests import dist_cases
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 
 
 def plain(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -50,8 +49,12 @@ def test_tied_in_one_process() -> None:
     check(by_layer(out["grads"]), by_layer(out["weights"]))
 
 
-def test_tied_across_two_processes(tmp_path: Path) -> None:
-    ranks = run_ranks("tied_training", 2, tmp_path, steps=5)
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+ACROSS = POOL.add(2, "tied", "tied_training", steps=5)
+
+
+def test_tied_across_two_processes(pool: Pool) -> None:
+    ranks = pool(ACROSS)
     grads = by_layer({n: g for r in ranks for n, g in r["grads"].items()})
     weights = by_layer({n: w for r in ranks for n, w in r["weights"].items()})
     assert "0.weight" in by_layer(ranks[0]["weights"]) and "5.weight" in by_layer(ranks[1]["weights"])

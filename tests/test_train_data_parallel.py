@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from gpipe.cli import main
 from gpipe.recipe import clip_grad_norm_per_parameter
 from gpipe.saving import verify
-from tests.dist_harness import free_port, run_ranks
+from tests.dist_harness import POOL, Pool, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny run: the default T(2, 256, 4) on synthetic pairs, small batches, held-out losses at 2 and 4.
@@ -142,7 +142,8 @@ def test_a_llama_split_over_two_ranks_trains_as_one(tmp_path: Path) -> None:
 
 def clipped_shards() -> dict[str, torch.Tensor]:
     """One of 2 ranks (tests.dist_entry): a gradient sharded over both, clipped per parameter to 1."""
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # (a case of the session's pool: an earlier case may have started it)
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     p = nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]))
     p.grad = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
@@ -150,11 +151,15 @@ def clipped_shards() -> dict[str, torch.Tensor]:
     return {"grad": p.grad.full_tensor()}
 
 
-def test_a_sharded_gradient_is_clipped_by_its_whole_norm(tmp_path: Path) -> None:
+# a case of the session's pool (tests/dist_harness.py: a few launches in all)
+CLIPPED = POOL.add(2, "clipped shards", "test_train_data_parallel:clipped_shards")
+
+
+def test_a_sharded_gradient_is_clipped_by_its_whole_norm(pool: Pool) -> None:
     whole = nn.Parameter(torch.zeros(6, 2))
     whole.grad = torch.arange(12.0).reshape(6, 2)
     clip_grad_norm_per_parameter([whole], 1.0)
-    for rank in run_ranks("test_train_data_parallel:clipped_shards", 2, tmp_path, timeout=120):
+    for rank in pool(CLIPPED):
         torch.testing.assert_close(rank["grad"], whole.grad)
 
 
