@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,10 @@ class Pool:
     groups to the end: a bound on the sockets); a case that loads what another saved (``after``) runs
     in a later launch, in other processes, once that one ran. So a run of one module launches its own
     cases alone, and a test's duration may hold a launch of other modules' cases with its own.
-    Paths in a case's arguments are written '{pool}/...', the session's folder (:meth:`path`). A failed
-    launch fails the check of each of its cases with its error, whose output names the case that
-    failed; the launch does not start again."""
+    Paths in a case's arguments are written '{pool}/...', the session's folder (:meth:`path`); what a
+    case reads there its ``prepare`` writes, in this process, before its launch. A failed launch fails
+    the check of each of its cases with its error, whose output names the case that failed; the launch
+    does not start again."""
 
     MAX_CASES = 16
 
@@ -117,13 +119,27 @@ class Pool:
         self.launch_of: dict[str, int] = {}  # key: its launch, once launches are planned
         self.launches: list[tuple[int, list[str]]] = []  # world, keys
         self.done: dict[int, dict[str, list[Any]] | BaseException] = {}
+        self.prepare: dict[str, Callable[[Path], object]] = {}  # key: what writes its inputs
+        self.prepared: set[Callable[[Path], object]] = set()
 
-    def add(self, world: int, key: str, case: str, *, after: str | None = None, **kwargs: Any) -> str:
+    def add(
+        self,
+        world: int,
+        key: str,
+        case: str,
+        *,
+        after: str | None = None,
+        prepare: Callable[[Path], object] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Case ``key`` (unique over the modules): ``case`` with ``kwargs`` on ``world`` ranks, after
-        case ``after`` in an earlier launch. Returns the key."""
+        case ``after`` in an earlier launch, and after ``prepare(pool folder)`` (once for all the
+        cases that give it). Returns the key."""
         entry = (world, case, kwargs, after)
         if self.cases.setdefault(key, entry) != entry:
             raise ValueError(f"the pool holds another case {key!r}")
+        if prepare is not None:
+            self.prepare[key] = prepare
         return key
 
     def path(self, *parts: str) -> Path:
@@ -160,9 +176,13 @@ class Pool:
         if index not in self.done:
             world, keys = self.launches[index]
             try:
-                for key in keys:  # what the cases load was saved
+                for key in keys:  # what the cases load was saved, what they read written
                     if self.cases[key][3] is not None:
                         self(self.cases[key][3])
+                    prepare = self.prepare.get(key)
+                    if prepare is not None and prepare not in self.prepared:
+                        prepare(self.path())
+                        self.prepared.add(prepare)
                 cases = {key: (self.cases[key][1], self._kwargs(self.cases[key][2])) for key in keys}
                 self.done[index] = run_cases(world, self.path(f"launch-{index}"), cases, timeout=280)
             except Exception as e:

@@ -88,3 +88,15 @@ def reference(folder: Path) -> Any:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     return model.eval()
+
+
+def folders(root: Path) -> dict[str, Path]:
+    """The text file and the three folders in ``root``, written on the first call (tests/test_init.py's
+    fixture and the torchrun cases it adds to the session's pool share them)."""
+    paths = {"text": root / "text.txt", **{kind: root / kind for kind in ("llama", "gpt2", "gemma")}}
+    if not (root / "complete").exists():
+        text = text_file(root)
+        for kind in ("llama", "gpt2", "gemma"):
+            save(kind, root / kind, text)
+        (root / "complete").touch()
+    return paths

@@ -26,7 +26,7 @@ from gpipe.train import TrainConfig, parse, train
 from gpipe.train.data import train_batch
 from gpipe.train.setup import make_data, make_model
 from tests import pretrained_dirs
-from tests.dist_harness import run_ranks
+from tests.dist_harness import POOL, Pool
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -35,16 +35,31 @@ FLAGS: dict[str, Any] = {"model": "hf", "batch": 8, "chunks": 2, "eval_every": 5
                          "tensorboard": "off"}  # fmt: skip
 
 
+def _folders(pool_root: Path) -> dict[str, Path]:
+    return pretrained_dirs.folders(pool_root / "init-pretrained")
+
+
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pretrained")
-    text = pretrained_dirs.text_file(root)
-    return {
-        "text": text,
-        "llama": pretrained_dirs.save("llama", root / "llama", text),
-        "gpt2": pretrained_dirs.save("gpt2", root / "gpt2", text),
-        "gemma": pretrained_dirs.save("gemma", root / "gemma", text),
-    }
+def folders(pool: Pool) -> dict[str, Path]:
+    """The pretrained folders (in the session's pool's folder: the torchrun cases below read them)."""
+    return _folders(pool.path())
+
+
+# pp2 (the Llama and the tied GPT-2) on 2 ranks; pp2 x tp2 (the Llama, the tied Gemma) and pp2 x fsdp2
+# (the Llama, and with LoRA) on 4: (kind, dp, tp, fsdp, lora rank) by world, cases of the session's
+# pool (tests/dist_harness.py: a few launches in all), which read the folders _folders writes.
+LAYOUTS = {
+    2: [("llama", 1, 1, False, 0), ("gpt2", 1, 1, False, 0)],
+    4: [("llama", 1, 2, False, 0), ("gemma", 1, 2, False, 0), ("llama", 2, 1, True, 0), ("llama", 2, 1, True, 4)],
+}
+TORCHRUN = {
+    world: POOL.add(
+        world, f"init torchrun {world}", "dist_init:pretrained_logits", prepare=_folders,
+        runs=[(f"{{pool}}/init-pretrained/{kind}", dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts],
+        text="{pool}/init-pretrained/text.txt",
+    )
+    for world, layouts in LAYOUTS.items()
+}  # fmt: skip
 
 
 def _logits(pipe: Pipeline, ids: torch.Tensor) -> torch.Tensor:
@@ -243,18 +258,15 @@ def test_bad_pretrained_folders_and_flags_are_refused_before_training(
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchrun_ranks_read_their_stage_and_give_from_pretrained_logits(
-    folders: dict[str, Path], tmp_path: Path, world: int
+    folders: dict[str, Path], pool: Pool, world: int
 ) -> None:
     """pp2 (the Llama and the tied GPT-2), then pp2 x tp2 (the Llama, the tied Gemma) and pp2 x fsdp2
     (the Llama, and with LoRA) in one launch of 4: each rank reads the tensors of its own stage only,
     and the last stage's logits are from_pretrained's (split or sharded: each its slices of the files
     alone; a tie's copies each read theirs); with LoRA (sharded) a step gives the adapters alone
     gradients."""
-    layouts = [("llama", 1, 1, False, 0), ("gpt2", 1, 1, False, 0)] if world == 2 else [
-        ("llama", 1, 2, False, 0), ("gemma", 1, 2, False, 0), ("llama", 2, 1, True, 0),
-        ("llama", 2, 1, True, 4)]  # fmt: skip
-    runs = [(str(folders[kind]), dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts]
-    ranks = run_ranks("dist_init:pretrained_logits", world, tmp_path, timeout=240, runs=runs, text=str(folders["text"]))
+    layouts = LAYOUTS[world]
+    ranks = pool(TORCHRUN[world])
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
     for i, (kind, dp, tp, _, rank) in enumerate(layouts):
         with torch.no_grad():
