@@ -499,14 +499,17 @@ def named_after_teardown(rank: int, timeout: float) -> dict[str, str]:
 
 
 def train_and_save_at(directory: str, steps: int, step: int) -> dict[str, Any]:
-    """Train ``steps`` steps and save them as checkpoint ``step``; return this rank's saved layers."""
+    """Train ``steps`` steps and save them as checkpoint ``step``; return this rank's saved layers, and
+    the files the step's folder held before (the ranks' steps wait for each other: before any saves)."""
     from gpipe.saving import layer_state
 
+    folder = Path(directory) / f"step-{step:08d}"
+    before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pipe = build("1f1b", world, 4)
     _train(pipe, steps)
     save_checkpoint(pipe, directory, step)
-    return {"state": {k: v.clone() for k, v in layer_state(pipe).items()}}
+    return {"state": {k: v.clone() for k, v in layer_state(pipe).items()}, "before": before}
 
 
 def save_with_full_disk_on(directory: str, rank: int) -> dict[str, Any]:

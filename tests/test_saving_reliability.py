@@ -26,7 +26,7 @@ import gpipe.saving.folders
 from gpipe import Pipeline, load_checkpoint, save_checkpoint
 from gpipe.saving import latest, layer_state, write_atomically
 from tests import dist_cases
-from tests.dist_harness import ROOT, run_ranks
+from tests.dist_harness import POOL, ROOT, Pool
 
 
 def mlp(seed: int, widths: tuple[int, ...] = (6,) * 9) -> nn.Sequential:
@@ -83,18 +83,20 @@ def test_a_save_over_a_step_of_another_layout_leaves_nothing_of_it(
         assert_holds(fresh, expected)
 
 
-def test_four_ranks_then_two_ranks_into_the_same_step(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    run_ranks("train_and_save_at", 4, tmp_path / "a", timeout=120, directory=str(ckpt), steps=1, step=5)
-    assert sorted(p.name for p in (ckpt / "step-00000005").iterdir()) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "__2_0.distcp",
-        "__3_0.distcp",
-        "manifest.json",
-    ]
-    two = run_ranks("train_and_save_at", 2, tmp_path / "b", timeout=120, directory=str(ckpt), steps=3, step=5)
+# Cases of the session's pool (tests/dist_harness.py: a few launches in all): four ranks save step 5,
+# then (a later launch) two ranks save another step 5 over it; one rank's disk is full.
+FOUR = POOL.add(4, "reliability four", "train_and_save_at", directory="{pool}/reliability-ckpt", steps=1, step=5)
+TWO = POOL.add(
+    2, "reliability two", "train_and_save_at", after=FOUR, directory="{pool}/reliability-ckpt", steps=3, step=5
+)
+FULL = POOL.add(2, "reliability full disk", "save_with_full_disk_on", directory="{pool}/reliability-full", rank=1)
+
+
+def test_four_ranks_then_two_ranks_into_the_same_step(pool: Pool) -> None:
+    ckpt = pool.path("reliability-ckpt")
+    two = pool(TWO)  # (after FOUR's launch)
+    saved_by_four = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "manifest.json"]
+    assert all(r["before"] == saved_by_four for r in two)  # what the four ranks saved, as the two found it
     assert sorted(p.name for p in (ckpt / "step-00000005").iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -334,9 +336,9 @@ def test_torchs_writer_failing_on_a_full_disk_says_so(tmp_path: Path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    results = run_ranks("save_with_full_disk_on", 2, tmp_path / "a", timeout=120, directory=str(ckpt), rank=1)
+def test_a_full_disk_on_one_rank_stops_every_rank(pool: Pool) -> None:
+    ckpt = pool.path("reliability-full")
+    results = pool(FULL)
     for rank, result in enumerate(results):
         assert result["error"]["type"] == "NoSpaceError", result
         assert result["error"]["errno"] == errno.ENOSPC
