@@ -22,3 +22,19 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Pool:
     if POOL.root is None:
         POOL.root = tmp_path_factory.mktemp("pool")
     return POOL
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The pool runs the cases of the modules that have a selected test reading it alone (-k, node
+    ids, -m, --lf: no other module's cases run)."""
+    readers = [item for item in session.items if "pool" in getattr(item, "fixturenames", ())]
+    POOL.select({module.__name__ for item in readers if (module := getattr(item, "module", None)) is not None})
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The pool's launches: how many cases each ran, in how long."""
+    if POOL.timings:
+        lines = [f"launch {i}: {n} cases on {w} ranks ({f} failed), {s:.1f} s" for i, w, n, f, s in POOL.timings]
+        terminalreporter.write_sep("-", f"the pool's {len(lines)} launches, {sum(t[4] for t in POOL.timings):.0f} s")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -399,7 +399,7 @@ def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
         send(channel, value)
 
     channels._Channel.send = spy  # type: ignore[method-assign]
-    try:  # (put back: another case may follow in this process, tests/dist_entry.py's several)
+    try:  # (put back: another case may follow in this process, tests/dist_entry.py's cases)
         pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
         x, y = masked_data()
         loss = pipe.step(x, y)

@@ -1,12 +1,15 @@
 """Entry point of one rank for tests/dist_harness.py: python -m tests.dist_entry CASE OUT KWARGS
-(CASE: a function of tests/dist_cases.py, or 'module:function' of another module of tests/)."""
+(CASE: a function of tests/dist_cases.py, or 'module:function' of another module of tests/), or
+python -m tests.dist_entry --cases DIR (several cases, tests/dist_harness.py's run_launch)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,22 +25,30 @@ def resolve(case: str) -> Callable[..., Any]:
     return getattr(where, name)  # type: ignore[no-any-return]
 
 
-def several(cases: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    """Cases given as (key, case, kwargs), run one after the other in this process (one start, one
-    import of torch, one process group for all of them): each one's result by its key. Each case's
-    key is printed as it starts: a failure's output says which case failed."""
-    results = {}
-    for key, case, kwargs in cases:
-        print(f"--- case {key!r}: {case}", flush=True)
-        results[key] = resolve(case)(**kwargs)
-    return results
+def cases(out_dir: Path) -> None:
+    """The cases of ``out_dir``/cases.json, (key, case, kwargs) each, one after the other in this
+    process (one start, one import of torch, one process group for all of them), for
+    tests/dist_harness.py's run_launch: as each case starts, a line in this rank's output and
+    'start:N' in its progress file; as it ends, its result in caseN-rankR.pt, then 'done:N'."""
+    rank = int(os.environ["RANK"])
+    with (out_dir / f"rank{rank}.progress").open("a") as progress:
+        for index, (key, case, kwargs) in enumerate(json.loads((out_dir / "cases.json").read_text())):
+            print(f"=== case {index}: {key!r} ({case})", flush=True)
+            progress.write(f"start:{index}\n")
+            progress.flush()
+            result = resolve(case)(**kwargs)
+            torch.save(result, out_dir / f"case{index}-rank{rank}.pt")
+            progress.write(f"done:{index}\n")
+            progress.flush()
 
 
 def main() -> None:
-    case, out, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     torch.set_num_threads(1)
-    result = resolve(case)(**kwargs)
-    torch.save(result, out)
+    if sys.argv[1] == "--cases":
+        cases(Path(sys.argv[2]))
+    else:
+        case, out, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        torch.save(resolve(case)(**kwargs), out)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -35,7 +35,7 @@ def pretrained_logits(runs: list[tuple[str, int, int, bool, int]], text: str) ->
     ids = torch.randint(4, 30, (4, 12), generator=torch.Generator().manual_seed(0))
     trained: list[list[str]] = []
     adapters: list[dict[str, torch.Tensor]] = []
-    try:  # (put back after: another case may follow in this process, tests/dist_entry.py's several)
+    try:  # (put back after: another case may follow in this process, tests/dist_entry.py's cases)
         for folder, dp, tp, fsdp, rank in runs:
             reads.append([])
             cfg = TrainConfig(model="hf", init=folder, data=text, partitions=2, data_parallel=dp, tensor_parallel=tp,

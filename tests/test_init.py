@@ -54,7 +54,7 @@ LAYOUTS = {
 }
 TORCHRUN = {
     world: POOL.add(
-        world, f"init torchrun {world}", "dist_init:pretrained_logits", prepare=_folders,
+        world, f"init torchrun {world}", "dist_init:pretrained_logits", prepare=_folders, timeout=240,
         runs=[(f"{{pool}}/init-pretrained/{kind}", dp, tp, fsdp, rank) for kind, dp, tp, fsdp, rank in layouts],
         text="{pool}/init-pretrained/text.txt",
     )
