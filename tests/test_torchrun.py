@@ -32,12 +32,20 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def one_process() -> list[float]:
+    """The example's losses in one process (the same command line for every launch it is compared with)."""
+    return losses([sys.executable, str(EXAMPLE), "--steps", "5"])
+
+
 @pytest.mark.parametrize(("nproc", "extra"), [(2, []), (4, ["--data-parallel", "2"]), (4, ["--tensor-parallel", "2"])])
-def test_example_runs_alike_in_one_process_and_under_torchrun(nproc: int, extra: list[str]) -> None:
+def test_example_runs_alike_in_one_process_and_under_torchrun(
+    one_process: list[float], nproc: int, extra: list[str]
+) -> None:
     """The example's losses under torchrun are one process's. With --tensor-parallel 2 (2 stages, each
     block split over 2 ranks) every split block's all-reduce is waited for, a recomputed micro-batch's
     too: torch warns at exit of none left unwaited."""
-    one = losses([sys.executable, str(EXAMPLE), "--steps", "5"])
+    one = one_process
     several = losses(torchrun(nproc, "--steps", "5", *extra))
     assert len(one) == len(several) == 5
     assert several == pytest.approx(one, rel=1e-4)
