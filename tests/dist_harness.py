@@ -114,8 +114,9 @@ Case = tuple[str, str, dict[str, Any]]
 class Launch:
     """What a launch of several cases left: each finished case's results by rank, the message of the
     case that failed (or of each case, when the launch failed outside of them), the cases that did
-    not run to their end because another failed first (to run again, in other processes), and what
-    interrupted the wait, if anything did (to raise again, once the rest is recorded)."""
+    not run to their end because another failed first or the wait was interrupted (to run again, in
+    other processes), and what interrupted the wait, if anything did (to raise again, once the rest
+    is recorded)."""
 
     results: dict[str, list[Any]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
@@ -186,7 +187,7 @@ def run_launch(
                 timed_out = now > deadline and first_failure is None
                 break
             time.sleep(0.1)
-    except BaseException as e:  # (pytest-timeout, Ctrl-C): what finished is kept, the rest fails
+    except BaseException as e:  # (pytest-timeout, Ctrl-C): what finished is kept, the rest is to run again
         launch.interrupted = e
     finally:
         failed_alone = [p.poll() not in (None, 0) for p in procs]  # before any was killed
@@ -202,25 +203,24 @@ def run_launch(
         launch.results[key] = [torch.load(out_dir / f"case{index}-rank{rank}.pt") for rank in range(world)]
     if complete == len(cases) and all(c == 0 for c in codes):
         return launch
+    if launch.interrupted is not None:  # no case to blame: the unfinished ones run again (a hang then times out)
+        launch.rest = [key for key, _, _ in cases[complete:]]
+        return launch
     outputs = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
     # The case that failed: where a rank that failed by itself was, the first one (a rank that lost
     # another fails too, in that case or the next); timed out, the first one a rank had not finished.
     at = [started for (done, started), alone in zip(progress, failed_alone) if alone and started >= done]
-    if launch.interrupted is not None or timed_out:
+    if timed_out:
         at = [started for done, started in progress if started >= done]
     culprit = min(at) if at else None
     codes_text = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
     if culprit is None or culprit < complete:  # failed outside of any case: the launch's failure is each one's
         message = f"the launch of {len(cases)} cases on {world} ranks failed outside of them (exit codes: {codes_text})"
-        if launch.interrupted is not None:
-            message += f", interrupted by {launch.interrupted!r}"
         for key, _, _ in cases[complete:]:
             launch.failed[key] = message + "".join(f"\n--- rank {r} ---\n{o[-3000:]}" for r, o in enumerate(outputs))
         return launch
     key, case, _ = cases[culprit]
-    if launch.interrupted is not None:
-        why = f"interrupted by {launch.interrupted!r} while it ran"
-    elif timed_out:
+    if timed_out:
         why = f"not finished by every rank within {limits[culprit]:g} s (timed out: the ranks were killed)"
     else:
         failed = [r for r, alone in enumerate(failed_alone) if alone]
@@ -229,10 +229,6 @@ def run_launch(
         f"\n--- rank {r}, from the case's start ---\n{_section(o, culprit)}" for r, o in enumerate(outputs)
     )
     launch.rest = [k for k, _, _ in cases[complete:] if k != key]
-    if launch.interrupted is not None:
-        for k in launch.rest:
-            launch.failed[k] = f"case {k!r} did not run: the launch was interrupted by {launch.interrupted!r}"
-        launch.rest = []
     return launch
 
 
@@ -267,7 +263,9 @@ class Pool:
     A case that fails fails the tests that read it alone, with its message (each rank's output of
     it); the cases of its launch that had not ended run again in another launch; one that loads from
     a failed case fails, saying so. Each case must end within its ``timeout`` (seconds, counted from
-    the end of the one before it in the launch), or fails as timed out, its processes killed.
+    the end of the one before it in the launch), or fails as timed out, its processes killed. A wait
+    interrupted (pytest-timeout, Ctrl-C) kills the processes and raises on; the cases that had not
+    ended run again when asked for.
 
     Paths in a case's arguments are written '{pool}/...', the session's folder (:meth:`path`); what a
     case reads there its ``prepare`` writes, in this process, before its launch."""
