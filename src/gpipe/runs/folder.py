@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,12 @@ METRICS = (("bleu", "maximize"), ("eval_accuracy", "maximize"), ("eval_perplexit
 _NOT_RUNS = {"checkpoints", "tensorboard", "eval", "prepared", "vocab"}  # folders a run keeps inside it
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """What ``gpipe runs`` shows of one run folder."""
 
     path: Path
-    settings: dict[str, Any] = field(default_factory=dict)  # {} before its first checkpoint
+    settings: dict[str, Any]  # {} before its first checkpoint
     steps: int = 0  # steps done (the last metrics row's)
     total: int | None = None  # its --steps
     loss: float | None = None  # the last step's training loss
@@ -121,7 +121,7 @@ def _running(folder: Path) -> bool:
 
 def read_run(folder: Path) -> Run:
     """``folder`` read as a run (see the module's docstring)."""
-    run = Run(path=folder)
+    run = Run(path=folder, settings={})
     checkpoint = None
     with contextlib.suppress(Exception), warnings.catch_warnings():  # (damaged: the run without its settings)
         warnings.simplefilter("ignore")
