@@ -18,7 +18,6 @@ sweep's ``results.md`` (copied beside the report).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from gpipe.demo import VOCAB_SIZE
+from gpipe.runs.folder import best_of, metrics_rows
 from gpipe.sweep.report import toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +46,6 @@ def _gpipe(*args: str) -> float:
     if done.returncode != 0:
         raise SystemExit(f"gpipe {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - began
-
-
-def _best_bleu(run: Path) -> float:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return max(r["bleu"] for r in rows if "bleu" in r)
 
 
 def main() -> None:
@@ -69,7 +64,7 @@ def main() -> None:
         flags = [x for k, v in fixed.items() for x in ((f"--{k}", str(v)) if not isinstance(v, bool) else
                                                        (f"--{k}" if v else f"--no-{k}",))]  # fmt: skip
         default_time = _gpipe("train", *flags, "--out", str(work / "default"))
-        default_bleu = _best_bleu(work / "default")
+        default_bleu = best_of(metrics_rows(work / "default"), "bleu", "maximize")
         space = work / "lr.toml"
         space.write_text(
             "[fixed]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in fixed.items())

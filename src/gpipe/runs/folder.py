@@ -22,6 +22,7 @@ __all__ = [
     "TRIAL",
     "Run",
     "best_of",
+    "best_value",
     "cell",
     "duration",
     "find_runs",
@@ -57,13 +58,17 @@ class Run:
                 "best": self.best, "time": self.elapsed, "status": self.status}  # fmt: skip
 
 
+def best_value(values: Iterable[float], direction: str) -> float | None:
+    """The best finite one of ``values`` (``direction``: "maximize" or "minimize"; None: none)."""
+    finite = [float(v) for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    return max(finite) if direction == "maximize" else min(finite)
+
+
 def best_of(rows: Iterable[dict[str, Any]], metric: str, direction: str) -> float | None:
     """The best finite value of ``metric`` over ``rows`` (None: none)."""
-    values = [float(r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
-    values = [v for v in values if math.isfinite(v)]
-    if not values:
-        return None
-    return max(values) if direction == "maximize" else min(values)
+    return best_value((r[metric] for r in rows if isinstance(r.get(metric), (int, float))), direction)
 
 
 def duration(seconds: float | None) -> str:

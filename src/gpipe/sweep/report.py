@@ -5,10 +5,9 @@ settings with the best trial's, which ``gpipe train --config`` takes. Both rewri
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Any
 
-from gpipe.runs.folder import cell, duration, read_run
+from gpipe.runs.folder import best_value, cell, duration, read_run
 from gpipe.saving.folders import write_atomically
 from gpipe.train.checks import flag
 
@@ -18,9 +17,10 @@ if TYPE_CHECKING:
     from gpipe.sweep.settings import SweepSettings
     from gpipe.sweep.space import Space
 
-__all__ = ["toml_value", "write_best", "write_results"]
+__all__ = ["STATES", "best_trial", "toml_value", "write_best", "write_results"]
 
-_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "interrupted",
+# Optuna's trial states as the sweep names them
+STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "interrupted",
            "WAITING": "waiting"}  # fmt: skip
 
 
@@ -29,7 +29,7 @@ def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) 
     trials = study.get_trials(deepcopy=False)
     names = [d.name for d in space.search]
     s = settings
-    best = _best(study)
+    best = best_trial(study)
     lines = [
         f"# gpipe sweep {out}",
         "",
@@ -46,8 +46,8 @@ def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) 
     errors = []
     for t in trials:
         run = read_run(out / f"trial-{t.number:03d}")
-        state = _STATES.get(t.state.name, t.state.name.lower())
-        value = t.value if t.state.name == "COMPLETE" else _reported(t, s.direction)
+        state = STATES.get(t.state.name, t.state.name.lower())
+        value = t.value if t.state.name == "COMPLETE" else best_value(t.intermediate_values.values(), s.direction)
         cells = [str(t.number), state, *(cell(t.params.get(n)) for n in names), str(run.steps),
                  cell(run.loss), cell(value), duration(run.elapsed)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -58,15 +58,8 @@ def write_results(out: Path, study: Any, space: Space, settings: SweepSettings) 
     write_atomically(out / "results.md", lambda p: p.write_text("\n".join(lines) + "\n"))
 
 
-def _reported(trial: Any, direction: str) -> float | None:
-    """The best value a trial reported before it was pruned or stopped."""
-    values = [float(v) for v in trial.intermediate_values.values() if math.isfinite(v)]
-    if not values:
-        return None
-    return max(values) if direction == "maximize" else min(values)
-
-
-def _best(study: Any) -> Any:
+def best_trial(study: Any) -> Any:
+    """The study's best complete trial; None before there is one."""
     try:
         return study.best_trial
     except ValueError:  # (no complete trial yet)
@@ -84,7 +77,7 @@ def toml_value(value: Any) -> str:
 
 def write_best(out: Path, study: Any, space: Space, settings: SweepSettings) -> None:
     """``out/best.toml``: the fixed settings and the best complete trial's; nothing before there is one."""
-    best = _best(study)
+    best = best_trial(study)
     if best is None:
         return
     lines = [

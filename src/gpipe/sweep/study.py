@@ -23,10 +23,10 @@ from typing import Any
 import torch.distributed as dist
 
 from gpipe.distributed import init_from_env
-from gpipe.runs.folder import TRIAL, best_of, metrics_rows, read_run
+from gpipe.runs.folder import TRIAL, best_of, metrics_rows
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.saving.folders import write_atomically
-from gpipe.sweep.report import write_best, write_results
+from gpipe.sweep.report import STATES, best_trial, write_best, write_results
 from gpipe.sweep.settings import SweepSettings
 from gpipe.sweep.space import Space, SpaceError
 from gpipe.train.checks import ConfigError, flag, newest_checkpoint
@@ -220,9 +220,9 @@ class Sweep:
         import optuna
 
         folder = self._folder(trial.number)
-        run = read_run(folder)
+        rows = metrics_rows(folder)
         s = self.settings
-        value = best_of(metrics_rows(folder), s.metric, s.direction)
+        value = best_of(rows, s.metric, s.direction)
         if state == "complete" and value is None:
             state, error = "failed", f"its evaluations gave no finite {s.metric}"
         trial.set_user_attr("error", error or "")
@@ -236,21 +236,14 @@ class Sweep:
         write_results(self.out, study, self.space, s)
         write_best(self.out, study, self.space, s)
         shown = "-" if value is None else f"{value:.4g}"
-        line = f"trial {trial.number}: {state}, best {s.metric} {shown} at step {run.steps}"
+        step = rows[-1]["step"] if rows else 0
+        line = f"trial {trial.number}: {state}, best {s.metric} {shown} at step {step}"
         print(line + (f": {error}" if error else ""), file=sys.stderr)
 
     def _say_done(self, study: Any) -> None:
-        import optuna
-
-        try:
-            best = study.best_trial
-        except ValueError:
-            best = None
-        states = [t.state for t in study.get_trials(deepcopy=False)]
-        counts = {name: sum(s == state for s in states) for name, state in (
-            ("complete", optuna.trial.TrialState.COMPLETE), ("pruned", optuna.trial.TrialState.PRUNED),
-            ("failed", optuna.trial.TrialState.FAIL))}  # fmt: skip
-        summary = ", ".join(f"{n} {name}" for name, n in counts.items())
+        best = best_trial(study)
+        states = [STATES.get(t.state.name) for t in study.get_trials(deepcopy=False)]
+        summary = ", ".join(f"{states.count(name)} {name}" for name in ("complete", "pruned", "failed"))
         found = (f"; best: trial {best.number}, {self.settings.metric} {best.value:.4g} "
                  f"({self.out / 'best.toml'})") if best is not None else ""  # fmt: skip
         print(f"sweep {self.out}: {len(states)} trials ({summary}){found}; {self.out / 'results.md'}")
