@@ -24,6 +24,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Pool:
     return POOL
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests whose ranks run in the pool run them under NCCL's point-to-point semantics
+    (tests/rendezvous.py, installed by tests/dist_entry.py): marked ``rendezvous``."""
+    for item in items:
+        if "pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.rendezvous)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The pool runs the cases of the modules that have a selected test reading it alone (-k, node
     ids, -m, --lf: no other module's cases run)."""

@@ -388,23 +388,23 @@ def masked_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) ->
 
 def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
     """A float mask crosses every boundary: record what each gradient message carries."""
-    from gpipe.distributed import channels
+    from gpipe.distributed import wire
 
     sent: list[list[str]] = []
-    send = channels._Channel.send
+    send = wire.Channel.post
 
-    def spy(channel: channels._Channel, value: Any) -> None:
+    def spy(channel: wire.Channel, value: Any) -> None:
         if channel.kind == "grad":
             sent.append(["none" if v is None else "tensor" for v in value])
         send(channel, value)
 
-    channels._Channel.send = spy  # type: ignore[method-assign]
+    wire.Channel.post = spy  # type: ignore[method-assign]
     try:  # (put back: another case may follow in this process, tests/dist_entry.py's cases)
         pipe = Pipeline(masked_model(), [2, 2], chunks=4, loss_fn=masked_loss, schedule=schedule, checkpoint=checkpoint)
         x, y = masked_data()
         loss = pipe.step(x, y)
     finally:
-        channels._Channel.send = send  # type: ignore[method-assign]
+        wire.Channel.post = send  # type: ignore[method-assign]
     return {"loss": loss, "grads": grads_of(pipe), "sent": sent}
 
 
@@ -458,7 +458,7 @@ def named_after_teardown(rank: int, timeout: float) -> dict[str, str]:
     """Rank ``rank`` is killed between two steps. The survivor catches the PipelineError, and then
     the process group is torn down (by an application's cleanup, or at exit) while a failure is
     still being named: first in a collective that fails with the transport's error just after the
-    teardown, then in the report of a transfer thread still running (``ChannelTransport._lost``).
+    teardown, then in the report of a transfer that failed (``ChannelTransport._lost``).
     Returns what each said; the exit's watch (the store's host lingers) runs after the teardown."""
     import signal
 
@@ -491,7 +491,7 @@ def named_after_teardown(rank: int, timeout: float) -> dict[str, str]:
         said["collective"] = f"{type(e).__name__}: {e}"
     run = StepRun(StepContext.capture(num_microbatches=2, checkpoint_stop=0, training=True, seed=0))
     try:
-        transport._lost(rank, cause, run)
+        transport._lost(rank, cause, run.mailbox)
         said["transfer"] = str(run.mailbox.failed)
     except Exception as e:
         said["transfer"] = f"{type(e).__name__}: {e}"

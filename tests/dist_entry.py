@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests import dist_cases
+from tests import dist_cases, rendezvous
 
 
 def resolve(case: str) -> Callable[..., Any]:
@@ -44,6 +44,8 @@ def cases(out_dir: Path) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    if os.environ.get("GPIPE_TEST_P2P", "rendezvous") == "rendezvous":  # NCCL's semantics (tests/rendezvous.py)
+        rendezvous.install()
     if sys.argv[1] == "--cases":
         cases(Path(sys.argv[2]))
     else:

@@ -5,12 +5,13 @@ same executor as one process (:class:`gpipe.runtime.executor.Executor`); only th
 differs, and that is this package's :class:`ChannelTransport`. An activation or a
 gradient whose consumer lives on another rank travels over a *channel*: one per (source rank,
 destination rank, activations|gradients), each with its own two-rank process group, so that every
-communicator carries messages one way, in one order (which NCCL needs). A sender thread per outgoing
-channel sends as soon as an action has produced (the compute thread never waits for a send); a
-receiver thread per incoming channel posts the next receive as soon as the previous one completed,
-in the order the producing rank sends (read off the schedule), and leaves what arrives in the
-mailbox the actions read from. Communication therefore overlaps compute. The wire format is
-described in :mod:`gpipe.distributed.channels`.
+communicator carries messages one way, in one order (which NCCL needs). The compute thread posts a
+send as soon as an action has produced (``isend``: it never waits for it before the step ends), and
+receives a channel's messages in the order the producing rank sends them (read off the schedule),
+posting the next header's receive ahead: every operation is issued and waited for by the one thread
+that computes, in the schedule's order, as NCCL requires (:mod:`gpipe.distributed.wire`, which also
+describes the wire format). Transfers overlap compute in the backend (gloo's I/O threads, NCCL's
+streams).
 
 Failures: a rank whose step raises (or which loses a peer) records the failure in the process
 group's store; every other rank watches the store during a step and stops its step with a
@@ -20,7 +21,8 @@ The collectives outside the actions, the heartbeats and the store's host are des
 :mod:`gpipe.distributed.failure`.
 
 Part of the library: imports torch and gpipe's library modules, never the applications (train,
-data, models, ...). Modules: ``failure`` (the failure watch), ``channels`` (the transport),
+data, models, ...). Modules: ``failure`` (the failure watch), ``wire`` (a channel: its wire format and
+operations), ``channels`` (the transport),
 ``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
 decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP),
 ``tensor_parallel`` (layers split over the tp group).

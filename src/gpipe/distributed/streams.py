@@ -12,22 +12,18 @@ Failures are reported and watched for as in a training step.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from gpipe.distributed.channels import ChannelTransport, _Channel
+from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.failure import PipelineError
+from gpipe.distributed.wire import Channel, make_channel
 from gpipe.microbatch import Batch
 from gpipe.runtime.decoding import DecodeTrace, Message, Streams
-from gpipe.runtime.executor import Mailbox
+from gpipe.runtime.executor import AbortedError, Mailbox
 
 __all__ = ["ChannelStreams"]
 
@@ -35,39 +31,88 @@ _CLOSE = -1
 Key = tuple[str, int, int]
 
 
-@dataclass
-class _Run:  # what the transport's failure handling needs of a step
-    mailbox: Mailbox
+def _encode(key: Key, message: Message) -> Batch:
+    """A message as a batch whose header values are plain numbers: they travel in the layout, in host
+    memory, so reading them synchronizes no device."""
+    control, rows, payload = message
+    if payload is None:
+        return Batch((control, key[1], key[2], False, rows), None)
+    return Batch((control, key[1], key[2], True, rows, *payload.values), payload.spec, payload.skips)
+
+
+def _decode(batch: Batch) -> tuple[Key, int, Message]:
+    control, m, s, has, rows = batch.values[:5]
+    payload = Batch(batch.values[5:], batch.spec, batch.skips) if has else None
+    return ("act", m, s), control, (control, rows, payload)
+
+
+def _more(values: list[Any]) -> bool:
+    """Whether a message follows this one on its channel: any but the closing one."""
+    return bool(values[0] != _CLOSE)
 
 
 class _Outbox(Mailbox):
-    """A mailbox whose messages for stages on other ranks leave through a channel's sender."""
+    """A decode's mailbox on one rank: a message for a stage on another rank is posted on the channel
+    to that stage's worker at once; one from another rank is received when asked for, reading the
+    channel its stage's input comes by in order (the messages ahead of it kept) until it arrives."""
 
-    def __init__(self, worker_of: tuple[int, ...], me: int, queues: dict[int, queue.Queue[Any]]) -> None:
+    def __init__(
+        self, worker_of: tuple[int, ...], me: int, out: dict[int, Channel], into: dict[int, Channel], lost: Any
+    ) -> None:
         super().__init__()
-        self.worker_of, self.me, self.queues = worker_of, me, queues
+        self.worker_of, self.me, self.out, self.into = worker_of, me, out, into
+        self.open = set(into.values())  # the incoming channels whose closing message has not come
+        self._lost = lost
+        for channel in self.open:
+            self._guard(channel.src, channel.expect)
 
     def put(self, key: Key, value: Any) -> None:
         worker = self.worker_of[key[2]]
         if worker == self.me:
             super().put(key, value)
         else:
-            self.queues[worker].put((key, value))
+            self._guard(self.out[worker].dst, self.out[worker].post, _encode(key, value))
 
+    def get(self, key: Key) -> Any:
+        s = key[2]
+        channel = self.into.get(self.worker_of[s - 1])  # (stage 0's input comes from the last stage)
+        if channel is None or self.worker_of[s - 1] == self.me:
+            return super().get(key)
+        while key not in self._items:
+            if channel not in self.open:
+                raise RuntimeError(f"{channel} closed before it brought {key}")
+            self._receive(channel)
+        return self._items.pop(key)
 
-def _encode(key: Key, message: Message) -> Batch:
-    control, rows, payload = message
-    header = torch.tensor([control, key[1], key[2], payload is not None], dtype=torch.long)
-    if payload is None:
-        return Batch((header, rows), None)
-    return Batch((header, rows, *payload.values), payload.spec, payload.skips)
+    def _receive(self, channel: Channel) -> None:
+        received = self._guard(channel.src, channel.receive, self._failed, _more)
+        assert isinstance(received, Batch)
+        key, control, message = _decode(received)
+        if control == _CLOSE:
+            self.open.discard(channel)
+        else:
+            self._items[key] = message
 
+    def close(self) -> None:
+        """This rank's last message sent: close its channels, read the others to their end, and see
+        every send through."""
+        for channel in self.out.values():
+            self._guard(channel.dst, channel.post, _encode(("act", 0, 0), (_CLOSE, None, None)))
+        while self.open:
+            self._receive(next(iter(self.open)))
+        for channel in self.out.values():
+            self._guard(channel.dst, channel.flush, self._failed)
 
-def _decode(batch: Batch) -> tuple[Key, int, Message]:
-    header, rows = batch.values[0], batch.values[1]
-    control, m, s, has = (int(v) for v in header.tolist())
-    payload = Batch(batch.values[2:], batch.spec, batch.skips) if has else None
-    return ("act", m, s), control, (control, rows, payload)
+    def _failed(self) -> str | None:
+        return self.failed
+
+    def _guard(self, peer: int, call: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except AbortedError:
+            raise
+        except Exception as exc:  # the peer is gone, or timed out
+            raise AbortedError(self._lost(peer, exc)) from exc
 
 
 class ChannelStreams(Streams):
@@ -84,12 +129,11 @@ class ChannelStreams(Streams):
             for ranks in placement.replicas:
                 if (last, first, "act") in channels:
                     break
-                group = dist.new_group(
-                    sorted({ranks[last], ranks[first]}), timeout=timedelta(seconds=transport.timeout)
+                channel = make_channel(
+                    ranks[last], ranks[first], "act", transport.device, transport.timeout, member=me in ranks
                 )
-                if me in ranks:
-                    device = next(iter(channels.values())).device if channels else torch.device("cpu")
-                    channels[(last, first, "act")] = _Channel(ranks[last], ranks[first], "act", group, device)
+                if channel is not None:
+                    channels[(last, first, "act")] = channel
 
     @staticmethod
     def of(transport: ChannelTransport) -> ChannelStreams:
@@ -100,13 +144,13 @@ class ChannelStreams(Streams):
             transport._decode_streams = found  # type: ignore[attr-defined]
         return found
 
-    def _links(self) -> tuple[dict[int, _Channel], list[_Channel]]:
-        """This rank's outgoing channels by destination worker, and its incoming ones."""
+    def _links(self) -> tuple[dict[int, Channel], dict[int, Channel]]:
+        """This rank's outgoing channels by destination worker, and its incoming ones by source worker."""
         placement = self.transport.placement
         me, worker_of = placement.rank, placement.worker_of
         n = len(worker_of)
-        out: dict[int, _Channel] = {}
-        into: dict[int, _Channel] = {}
+        out: dict[int, Channel] = {}
+        into: dict[int, Channel] = {}
         for s in range(n):
             nxt = worker_of[(s + 1) % n]
             if worker_of[s] == nxt:
@@ -116,67 +160,31 @@ class ChannelStreams(Streams):
                 out[nxt] = channel
             elif nxt == me and channel is not None:
                 into[worker_of[s]] = channel
-        return out, list(into.values())
+        return out, into
 
     @contextmanager
     def open(self, groups: int, trace: DecodeTrace) -> Iterator[Mailbox]:
         placement = self.transport.placement
         assert placement.rank is not None
         out, into = self._links()
-        queues: dict[int, queue.Queue[Any]] = {w: queue.Queue() for w in out}
-        mailbox = _Outbox(placement.worker_of, placement.rank, queues)
-        run = _Run(mailbox)
-        threads = [
-            threading.Thread(target=self._sender, args=(out[w], queues[w], run), daemon=True, name="gpipe-send")
-            for w in out
-        ] + [threading.Thread(target=self._receiver, args=(c, run), daemon=True, name="gpipe-recv") for c in into]
-        for t in threads:
-            t.start()
         transport = self.transport
+        box: _Outbox | None = None
+
+        def lost(peer: int, exc: Exception) -> str:
+            assert box is not None
+            return transport._lost(peer, exc, box)
+
+        box = mailbox = _Outbox(placement.worker_of, placement.rank, out, into, lost)
         try:
-            with transport._watching(run):  # type: ignore[arg-type]
+            with transport._watching(mailbox):
                 yield mailbox
-            for t in threads:
-                t.join(transport.timeout)
-                if t.is_alive():
-                    raise PipelineError(
-                        f"rank {transport._world.rank}: a transfer did not finish in {transport.timeout:g} s"
-                    )
+                mailbox.close()
         except BaseException as exc:
             transport._report(f"rank {transport._world.rank} failed: {type(exc).__name__}: {exc}", exc)
             mailbox.fail(str(exc))
-            for q in queues.values():
-                q.put(None)
+            if isinstance(exc, AbortedError):
+                raise PipelineError(str(exc)) from exc.__cause__
             raise
         failure = transport._failure()
         if failure is not None:
             raise PipelineError(failure)
-
-    def finished(self, worker: int, mailbox: Mailbox) -> None:
-        assert isinstance(mailbox, _Outbox)
-        for q in mailbox.queues.values():
-            q.put(None)
-
-    def _sender(self, channel: _Channel, q: queue.Queue[Any], run: _Run) -> None:
-        try:
-            while True:
-                item = q.get()
-                if item is None:
-                    if run.mailbox.failed is None:
-                        channel.send(_encode(("act", 0, 0), (_CLOSE, None, None)))
-                    return
-                channel.send(_encode(*item))
-        except Exception as exc:  # the peer is gone
-            self.transport._lost(channel.dst, exc, run)  # type: ignore[arg-type]
-
-    def _receiver(self, channel: _Channel, run: _Run) -> None:
-        try:
-            while True:
-                received = channel.recv()
-                assert isinstance(received, Batch)
-                key, control, message = _decode(received)
-                if control == _CLOSE:
-                    return
-                run.mailbox.put(key, message)
-        except Exception as exc:
-            self.transport._lost(channel.src, exc, run)  # type: ignore[arg-type]
