@@ -23,11 +23,13 @@ Part of the library: imports torch and gpipe's library modules, never the applic
 data, models, ...). Modules: ``failure`` (the failure watch), ``channels`` (the transport),
 ``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
 decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP),
-``tensor_parallel`` (layers split over the tp group).
+``tensor_parallel`` (layers split over the tp group), ``devices`` (a rank's device and the device of its
+collectives; the devices of ``--devices``).
 """
 
 from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.collectives import Collectives, RankCollectives, tie_name
+from gpipe.distributed.devices import choose_devices, comm_device, rank_device
 from gpipe.distributed.failure import PipelineError, collective, start_heartbeat, watch_peers
 from gpipe.distributed.group import init_from_env
 from gpipe.distributed.sharding import StageSharding
@@ -40,8 +42,11 @@ __all__ = [
     "RankCollectives",
     "StageSharding",
     "TpPlan",
+    "choose_devices",
     "collective",
+    "comm_device",
     "init_from_env",
+    "rank_device",
     "start_heartbeat",
     "tie_name",
     "watch_peers",
