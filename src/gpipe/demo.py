@@ -6,8 +6,9 @@
 writes the four synthetic language pairs as text files (``gpipe corpus --out CORPUS``), then trains on
 them (``gpipe train --data CORPUS --vocab-size 270 --out OUT``): a shared SentencePiece vocabulary of
 the 270 pieces the corpus supports (as many as ``gpipe vocab --data CORPUS`` makes), the Transformer on
-2 pipeline stages for 200 steps with the pairs drawn at temperature T=5, BLEU per pair at the end. Each
-run starts afresh (an earlier run in OUT is replaced), unless ``--resume``.
+2 pipeline stages (on the GPUs where there are: ``--devices``) for 200 steps with the pairs drawn at
+temperature T=5, BLEU per pair at the end. Each run starts afresh (an earlier run in OUT is replaced),
+unless ``--resume``.
 """
 
 # An application: runs two others, gpipe corpus (gpipe.commands) and gpipe train (gpipe.train); only

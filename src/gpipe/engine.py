@@ -11,7 +11,6 @@ step's collectives (:class:`~gpipe.distributed.Collectives`, nothing to do in on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +29,8 @@ from gpipe.distributed import (
     StageSharding,
     TpPlan,
     collective,
+    comm_device,
+    rank_device,
     start_heartbeat,
     tie_name,
 )
@@ -187,12 +188,6 @@ def _placed_stages(
     return partitions, stages
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def _build_ranks(
     module: Layers,
     balance: Sequence[int] | str,
@@ -239,7 +234,7 @@ def _build_ranks(
             f"balance has {len(balance)} stages but {k} pipeline ranks x {virtual} virtual stages "
             "run here; give one balance entry per stage"
         )
-    device = torch.device(devices[me]) if devices is not None else _default_device()
+    device = torch.device(devices[me]) if devices is not None else rank_device()
     shape, dims = ((dp, k, tp), ("dp", "pp", "tp")) if tp > 1 else ((dp, k), ("dp", "pp"))
     with collective("creation of the device mesh"):
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=dims)
@@ -271,7 +266,7 @@ def _build_ranks(
     )
     local = {s: partitions[s] for s in placement.local_stages}
     if tp > 1:  # after the ties' values agree; before FSDP shards what it split
-        _split_layers(local, mesh["tp"], tp_plan)
+        _split_layers(local, mesh["tp"], tp_plan, device)
     materialize = (lambda: _materialize_shards(local, device, init_seed)) if defer else None
     sharding = StageSharding(local, mesh["dp"], materialize=materialize) if fsdp else None
     if materialize is not None and not fsdp:
@@ -301,9 +296,10 @@ def _materialize_shards(local: dict[int, nn.Sequential], device: torch.device, i
             materialize_shards(layer, int(index), device, init_seed)
 
 
-def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan) -> None:
-    """Split this rank's layers over the tp group; refuse a plan that splits no layer anywhere."""
-    split = torch.tensor([parallelize(local, mesh, plan)], dtype=torch.int64)
+def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan, device: torch.device) -> None:
+    """Split this rank's layers over the tp group; refuse a plan that splits no layer anywhere (the count
+    all-reduced on the default group's device for this rank: CUDA under an NCCL-only group)."""
+    split = torch.tensor([parallelize(local, mesh, plan)], dtype=torch.int64, device=comm_device(device))
     with collective("count of the layers tensor parallelism split"):
         dist.all_reduce(split)
     if int(split.item()) == 0:

@@ -47,10 +47,18 @@ import torch.distributed as dist
 
 from gpipe.balance import balance_by_flops
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
-from gpipe.distributed import init_from_env
+from gpipe.distributed import choose_devices
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, load
-from gpipe.translate import _input, _write, add_io_flags, add_stage_flags, find_checkpoint, report_cache_bytes
+from gpipe.translate import (
+    _input,
+    _write,
+    add_io_flags,
+    add_stage_flags,
+    find_checkpoint,
+    report_cache_bytes,
+    start_devices,
+)
 
 __all__ = ["Generator", "Options", "main"]
 
@@ -115,12 +123,12 @@ class Options:
 
 class Generator:
     """A checkpoint's causal LM as cached pipeline layers (:func:`gpipe.generation.traced.cached_layers`)
-    in a :class:`~gpipe.Pipeline` of ``partitions`` stages, with the run's tokenizer. Under torchrun,
-    ``partitions`` is the world size, one stage per rank. The run is read here (its config and
-    tokenizer: what the prompts and settings are checked against); the model is traced, its pipeline
-    built and the weights loaded at the first :meth:`generate`."""
+    in a :class:`~gpipe.Pipeline` of ``partitions`` stages on ``devices`` (``--devices``), with the run's
+    tokenizer. Under torchrun, ``partitions`` is the world size, one stage per rank. The run is read
+    here (its config and tokenizer: what the prompts and settings are checked against); the model is
+    traced, its pipeline built and the weights loaded at the first :meth:`generate`."""
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1) -> None:
+    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1, devices: str = "auto") -> None:
         from gpipe.data import tokenizer as tokenizers
         from gpipe.export import _config, _run_model
         from gpipe.models.hf import layer_count
@@ -153,7 +161,11 @@ class Generator:
         self.eos: set[int] = {eos} if isinstance(eos, int) else set(eos or ())
         if partitions > layer_count(self.config):
             raise UsageError(f"--partitions {partitions} exceeds the model's {layer_count(self.config)} layers")
-        self.partitions = partitions
+        try:  # (checked now; the process group starts with the pipeline)
+            choose_devices(devices, partitions)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self.partitions, self.devices = partitions, devices
         self.pipe: Pipeline | None = None
         self.step: int | None = None
 
@@ -176,14 +188,9 @@ class Generator:
             ) from None
         if self.partitions > len(layers):
             raise UsageError(f"--partitions {self.partitions} exceeds the model's {len(layers)} layers")
-        distributed = init_from_env()
+        placed = start_devices(self.devices, self.partitions)
         sample = torch.zeros(1, min(4, self.positions or 4), dtype=torch.long)
-        self.pipe = Pipeline(
-            layers,
-            balance_by_flops(self.partitions, layers, sample),
-            chunks=1,
-            devices=None if distributed else ["cpu"] * self.partitions,
-        )
+        self.pipe = Pipeline(layers, balance_by_flops(self.partitions, layers, sample), chunks=1, devices=placed)
         self.step = load(self.pipe, self.folder)
         self.pipe.eval()
         return self.pipe
@@ -333,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--input {args.input!r}: no such file")
         with contextlib.suppress(ImportError):  # (what goes to standard error is the report: no bars of transformers')
             importlib.import_module("transformers").utils.logging.disable_progress_bar()
-        generator = Generator(args.checkpoint, partitions=partitions)
+        generator = Generator(args.checkpoint, partitions=partitions, devices=args.devices)
         if options.beam > generator.vocab:
             raise UsageError(
                 f"--beam {options.beam} exceeds the model's vocabulary of {generator.vocab} tokens: give at most "

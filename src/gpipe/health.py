@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpipe.checkpoint import is_checkpointing
+from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
 
 if TYPE_CHECKING:
@@ -340,7 +341,7 @@ class Recorder:
             seen[replica * layers + index] = 1.0
         total = grads + outputs + seen
         if dist.is_initialized() and dist.get_world_size() > 1:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            device = comm_device(pipe.devices[0])
             vector = torch.tensor(total, dtype=torch.float64, device=device)
             with collective("all-reduce of the training health's norms"):
                 dist.all_reduce(vector)

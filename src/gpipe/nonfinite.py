@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from gpipe.checkpoint import is_recomputing
+from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
 
 if TYPE_CHECKING:
@@ -82,10 +83,8 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _flag_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _flag_device(pipe: Pipeline) -> torch.device:
+    return comm_device(pipe.devices[0])
 
 
 def all_finite(pipe: Pipeline, loss: float, *, norms: Sequence[float] | None = None) -> bool:
@@ -108,7 +107,7 @@ def all_finite(pipe: Pipeline, loss: float, *, norms: Sequence[float] | None = N
                 bad = True
                 break
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([int(bad)], device=_flag_device())
+        flag = torch.tensor([int(bad)], device=_flag_device(pipe))
         with collective("all-reduce of the non-finite check"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = bool(flag.item())

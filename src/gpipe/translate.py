@@ -4,6 +4,7 @@
     gpipe translate --checkpoint runs/mt/checkpoints/step-00001000 --input test.en --beam 4
     echo "<2fr> a sentence" | gpipe translate --checkpoint runs/mt
     torchrun --nproc-per-node 2 -m gpipe translate --checkpoint runs/mt --partitions 2 --input test.en
+    gpipe translate --checkpoint runs/mt --partitions 2 --devices cuda:0 --input test.en  # both stages on one GPU
 
 ``--checkpoint``: a run's ``--out`` (its newest checkpoint), its ``checkpoints`` folder, or one
 ``step-*`` folder. Each checkpoint holds what rebuilds the model: ``run.json`` (the training
@@ -45,7 +46,7 @@ from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.data import EOS, PAD
 from gpipe.data.vocab import Vocab
 from gpipe.decode import decode_batches
-from gpipe.distributed import init_from_env
+from gpipe.distributed import choose_devices, init_from_env
 from gpipe.evaluation import translation_chunk
 from gpipe.pipeline import Pipeline
 from gpipe.saving import CheckpointError, latest, load, write_atomically
@@ -108,11 +109,31 @@ def _not_a_translation_run(checkpoint: str, folder: Path, model: str, kind: str)
     return f"--checkpoint {checkpoint!r} is of {what}"
 
 
+def start_devices(devices: str, partitions: int) -> list[torch.device] | None:
+    """``--devices``: the devices of a decoding command's ``partitions`` stages
+    (:func:`~gpipe.distributed.choose_devices`; None under torchrun, each rank on its own), the process
+    group started on this rank's under torchrun. A bad one is a ``UsageError``."""
+    try:
+        placed = choose_devices(devices, partitions)
+        init_from_env(devices=devices)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return placed
+
+
 class Translator:
     """A checkpoint's translation model in a :class:`~gpipe.Pipeline` of ``partitions`` stages,
-    with its vocabulary. Under torchrun, ``partitions`` is the world size, one stage per rank."""
+    with its vocabulary, on ``devices`` (``--devices``: :func:`start_devices`). Under torchrun,
+    ``partitions`` is the world size, one stage per rank."""
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *, partitions: int = 1, groups: int | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        partitions: int = 1,
+        groups: int | None = None,
+        devices: str = "auto",
+    ) -> None:
         from gpipe.train import TrainConfig, translation_model
 
         self.folder = find_checkpoint(checkpoint)
@@ -138,14 +159,9 @@ class Translator:
         layers = len(model)
         if partitions > layers:
             raise UsageError(f"--partitions {partitions} exceeds the model's {layers} layers")
-        distributed = init_from_env()
+        placed = start_devices(devices, partitions)
         sample = (torch.full((2, 4), 5), torch.full((2, 4), 5))
-        self.pipe = Pipeline(
-            model,
-            balance_by_flops(partitions, model, sample),
-            chunks=1,
-            devices=None if distributed else ["cpu"] * partitions,
-        )
+        self.pipe = Pipeline(model, balance_by_flops(partitions, model, sample), chunks=1, devices=placed)
         self.groups = groups
         self.step = load(self.pipe, self.folder)
         self.pipe.eval()
@@ -263,15 +279,26 @@ def _parser() -> ArgumentParser:
 
 
 def add_stage_flags(parser: ArgumentParser, groups: str) -> None:
-    """The flags of a decoding command's pipeline: --partitions, --groups (``groups`` says what a
-    group is), --quiet."""
+    """The flags of a decoding command's pipeline: --partitions, --devices, --groups (``groups`` says what
+    a group is), --quiet."""
     parser.add_argument(
         "--partitions", type=int, default=None, help="pipeline stages (default: 1; under torchrun, the world size)"
     )
+    add_devices_flag(parser)
     parser.add_argument(
         "--groups", type=int, default=None, help=f"{groups}, each on another stage (default: one per stage)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress report on standard error")
+
+
+def add_devices_flag(parser: ArgumentParser) -> None:
+    """``--devices``, as gpipe train takes it."""
+    parser.add_argument(
+        "--devices", default="auto", metavar="DEVICES",
+        help="where the stages run: auto (the visible GPUs round robin, under torchrun cuda:LOCAL_RANK; the CPU "
+        "without CUDA), cpu, cuda (refused without CUDA), or cuda:0,cuda:1,...: one device, or one per stage "
+        "(default: auto)",
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -327,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--partitions {partitions} differs from the {world} processes of torchrun")
         if args.input is not None and not Path(args.input).is_file():
             raise UsageError(f"--input {args.input!r}: no such file")
-        translator = Translator(args.checkpoint, partitions=partitions, groups=args.groups)
+        translator = Translator(args.checkpoint, partitions=partitions, groups=args.groups, devices=args.devices)
         if args.to is not None:
             translator.language(args.to)
         with _input(args.input) as f:

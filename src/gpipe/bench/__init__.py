@@ -3,6 +3,7 @@
     gpipe bench                          # the quick version (a few minutes): runs/bench/report.md
     gpipe bench --full --out DIR         # the sizes behind benchmarks/README.md
     gpipe bench --only throughput,memory # some sections
+    gpipe bench --devices cpu            # the paper's tables on the CPU, whatever GPUs there are
 
 Sections: throughput (Tables 2 and 3: measured where K fits the cores, projected by the simulator
 from measured per-layer costs), memory (Table 1: activations against the O(N + L/K·N/M) model, the
@@ -33,6 +34,7 @@ import torch
 from gpipe.bench import engine, memory, overhead, peers, throughput
 from gpipe.bench.common import Bench, Section
 from gpipe.commands.args import ArgumentParser, refuse
+from gpipe.distributed.devices import choose_devices
 
 __all__ = ["SECTIONS", "main", "run"]
 
@@ -66,12 +68,13 @@ def run(
     quick: bool = True,
     only: Sequence[str] = tuple(SECTIONS),
     repeats: int | None = None,
+    devices: str = "cpu",
     log: Any = print,
 ) -> Path:
     """Run the sections ``only``, write ``out/report.md`` (with its figures) and ``out/results.json``;
     returns the report's path."""
     check(out, only, repeats)
-    bench = Bench(quick=quick, repeats=repeats) if repeats else Bench.of(quick)
+    bench = Bench(quick=quick, repeats=repeats, devices=devices) if repeats else Bench.of(quick, devices)
     out.mkdir(parents=True, exist_ok=True)
     sections: list[Section] = []
     seconds: dict[str, float] = {}
@@ -84,11 +87,13 @@ def run(
     command = "gpipe bench" + ("" if quick else " --full")
     command += f" --only {','.join(only)}" if tuple(only) != tuple(SECTIONS) else ""
     command += f" --repeats {repeats}" if repeats else ""
+    command += f" --devices {devices}" if devices != "auto" else ""
     header = [
         "# gpipe bench report",
         "",
         f"Reproduce: `{command} --out {out}`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, Python {platform.python_version()}; "
+        f"torch {torch.__version__}, Python {platform.python_version()}, --devices {devices} (throughput, "
+        "memory; the other sections on the CPU); "
         f"{'quick' if quick else 'full'} sizes, {bench.repeats} repetitions per measurement; "
         + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
         + ".",
@@ -209,6 +214,12 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--out", default="runs/bench", help="where the report goes (default: runs/bench)")
     parser.add_argument("--repeats", type=int, help="repetitions per measurement (default: 3 quick, 7 full)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument(
+        "--devices", default="auto", metavar="DEVICES",
+        help="the devices of the throughput and memory sections: auto (the visible GPUs round robin; the CPU "
+        "without CUDA), cpu, cuda, or one device such as cuda:1 (default: auto); the peers, overhead and engine "
+        "sections measure the host against CPU peers, on the CPU",
+    )  # fmt: skip
     return parser
 
 
@@ -217,9 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         only = [s for s in args.only.split(",") if s]
         check(Path(args.out), only, args.repeats)
+        if "," in args.devices:
+            raise ValueError(
+                f"--devices {args.devices}: the sections run pipelines of 1 to 8 stages; give auto, cpu, cuda or one "
+                "device"
+            )
+        choose_devices(args.devices, 1)
     except ValueError as exc:
         return refuse(exc)
-    report = run(Path(args.out), quick=not args.full, only=only, repeats=args.repeats,
+    report = run(Path(args.out), quick=not args.full, only=only, repeats=args.repeats, devices=args.devices,
                  log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
     print(f"report: {report}")
     return 0

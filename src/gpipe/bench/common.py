@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from gpipe.distributed.devices import choose_devices
 from gpipe.models import amoebanet_d, transformer
 
 __all__ = [
@@ -82,14 +83,23 @@ class Section:
 
 @dataclass(frozen=True, kw_only=True)
 class Bench:
-    """How big and how long: ``quick`` (``gpipe bench``, a few minutes) or the full run."""
+    """How big and how long: ``quick`` (``gpipe bench``, a few minutes) or the full run; ``devices``:
+    ``--devices`` of the sections that run the paper's tables (throughput, memory); the peers, overhead
+    and engine sections measure the host's work against CPU peers and stay on the CPU."""
 
     quick: bool = True
     repeats: int = 3
+    devices: str = "cpu"
 
     @classmethod
-    def of(cls, quick: bool) -> Bench:
-        return cls(quick=quick, repeats=3 if quick else 7)
+    def of(cls, quick: bool, devices: str = "cpu") -> Bench:
+        return cls(quick=quick, repeats=3 if quick else 7, devices=devices)
+
+    def place(self, workers: int) -> list[torch.device]:
+        """The devices of ``workers`` pipeline workers in this process (:func:`gpipe.distributed.choose_devices`)."""
+        placed = choose_devices(self.devices, workers)
+        assert placed is not None  # (gpipe bench runs in one process; its workers are launched without torchrun)
+        return placed
 
 
 @dataclass(frozen=True)
@@ -223,8 +233,8 @@ def timed(fn: Callable[[], object]) -> float:
 
 def launch(world: int, spec: dict[str, Any], timeout: float = 900.0) -> Any:
     """Run ``gpipe.bench.worker`` on ``spec`` in ``world`` fresh processes (one intra-op thread
-    each, gloo between them) and return what rank 0 reports. Every process is bounded by
-    ``timeout`` and killed if it outlives it or a peer fails."""
+    each; on ``spec["devices"]``, default the CPU with gloo between them) and return what rank 0
+    reports. Every process is bounded by ``timeout`` and killed if it outlives it or a peer fails."""
     import json
     import os
     import socket
@@ -244,8 +254,8 @@ def launch(world: int, spec: dict[str, Any], timeout: float = 900.0) -> Any:
         for rank in range(world):
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             if world > 1:
-                env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))  # fmt: skip
+                env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
             else:
                 env.pop("WORLD_SIZE", None)
             procs.append(subprocess.Popen([sys.executable, "-m", "gpipe.bench.worker", spec_path], env=env))

@@ -24,6 +24,7 @@ configurations ``configs/transformer-l-*.toml`` (:func:`paper_transformer_l`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,16 @@ CONFIGS = [("naive-1", 1, False), ("pipeline-1", 1, True), ("pipeline-2", 2, Tru
            ("pipeline-8", 8, True)]  # fmt: skip
 
 
-def _measured_peaks(build: Any, blocks: int, model: MemoryModel, partitions: int, sample: torch.Tensor,
-                    chunks: int, remat: bool) -> list[float]:  # fmt: skip
-    """Each stage's peak activation bytes in a real step of the model with ``blocks`` blocks."""
+def _measured_peaks(build: Any, blocks: int, model: MemoryModel, partitions: int, sample: torch.Tensor, chunks: int,
+                    remat: bool, devices: Sequence[torch.device] | None = None) -> list[float]:  # fmt: skip
+    """Each stage's peak activation bytes in a real step of the model with ``blocks`` blocks, on ``devices``
+    (default: the CPU)."""
     torch.manual_seed(0)
     lm: nn.Sequential = build(blocks)
     balance = [len(kinds) for kinds in model.stages(blocks, partitions)]
+    placed = list(devices or [torch.device("cpu")] * partitions)
     pipe = Pipeline(lm, balance, chunks=chunks, loss_fn=token_loss, checkpoint="always" if remat else "never",
-                    devices=["cpu"] * partitions, cpu_threads=1, measure_memory=True)  # fmt: skip
+                    devices=placed, cpu_threads=1, measure_memory=True)  # fmt: skip
     pipe.step(sample, sample)
     assert pipe.last_trace is not None and pipe.last_trace.peak_activation_bytes is not None
     return [float(b) for b in pipe.last_trace.peak_activation_bytes]
@@ -194,7 +197,7 @@ def run(bench: Bench, out: Path) -> Section:
             m = 1 if not remat else chunks
             blocks = model.largest(budget, k, batch, m, remat, limit=4096)
             predicted = model.stage_bytes(blocks, k, batch, m, remat)
-            peaks = _measured_peaks(small, blocks, model, k, sample, m, remat)
+            peaks = _measured_peaks(small, blocks, model, k, sample, m, remat, bench.place(k))
             totals = [p + a for (p, _), a in zip(predicted, peaks)]
             worst = max(range(k), key=lambda i: totals[i])
             params = model.parameters(blocks)

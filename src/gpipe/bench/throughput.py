@@ -74,7 +74,8 @@ def project(forward: list[float], backward: list[float], balance: list[int], mic
 def _measure(bench: Bench, work: Workload, costs: list[float], partitions: int) -> dict[int, list[float]]:
     """Step times for each M, K processes (one per stage, one thread each, gloo)."""
     spec = {"task": "throughput", "quick": bench.quick, "batch": work.batch, "workload": work.name,
-            "costs": costs, "microbatches": list(MICROBATCHES), "repeats": bench.repeats}  # fmt: skip
+            "costs": costs, "microbatches": list(MICROBATCHES), "repeats": bench.repeats,
+            "devices": bench.devices}  # fmt: skip
     times = launch(partitions, spec)
     return {int(m): ts for m, ts in times.items()}
 

@@ -27,6 +27,7 @@ from gpipe.bench.common import (
     take_turns,
     workloads,
 )
+from gpipe.distributed import init_from_env
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.planner import AutoPlanner
 
@@ -42,7 +43,8 @@ def throughput(spec: dict[str, Any]) -> dict[str, list[float]]:
     model = work.build()
     world = dist.get_world_size() if dist.is_initialized() else 1
     balance = solve(spec["costs"], world)
-    local: dict[str, Any] = {"devices": ["cpu"], "cpu_threads": 1} if world == 1 else {}
+    local: dict[str, Any] = {"devices": Bench.of(True, spec.get("devices", "cpu")).place(1), "cpu_threads": 1}
+    local = local if world == 1 else {}
     pipe = Pipeline(model, balance, chunks=1, loss_fn=work.loss_fn, checkpoint="always", **local)
 
     def step(m: int) -> Callable[[], None]:
@@ -159,8 +161,8 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     torch.set_num_threads(1)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+    if "WORLD_SIZE" in os.environ:  # (each rank on its own device for spec["devices"]: auto, cuda, cpu)
+        init_from_env(devices=spec.get("devices", "cpu"))
     result = TASKS[spec["task"]](spec)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(spec["result"], "w") as f:

@@ -25,11 +25,13 @@ data, models, ...). Modules: ``failure`` (the failure watch), ``wire`` (a channe
 operations), ``channels`` (the transport),
 ``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
 decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP),
-``tensor_parallel`` (layers split over the tp group).
+``tensor_parallel`` (layers split over the tp group), ``devices`` (a rank's device and the device of its
+collectives; the devices of ``--devices``).
 """
 
 from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.collectives import Collectives, RankCollectives, tie_name
+from gpipe.distributed.devices import choose_devices, comm_device, rank_device
 from gpipe.distributed.failure import PipelineError, collective, start_heartbeat, watch_peers
 from gpipe.distributed.group import init_from_env
 from gpipe.distributed.sharding import StageSharding
@@ -42,8 +44,11 @@ __all__ = [
     "RankCollectives",
     "StageSharding",
     "TpPlan",
+    "choose_devices",
     "collective",
+    "comm_device",
     "init_from_env",
+    "rank_device",
     "start_heartbeat",
     "tie_name",
     "watch_peers",

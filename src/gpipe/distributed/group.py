@@ -24,29 +24,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe.distributed.devices import backend_for, local_device
+
 __all__ = ["init_from_env"]
 
 _ADDRESS_KEY = "gpipe/group-store"  # in the agent's store: rank 0's fresh store, as host:port:token
 _TOKEN_KEY = "gpipe/token"  # in rank 0's fresh store: the token published with its address
 
 
-def init_from_env(timeout: float = 60.0) -> bool:
-    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1), with
-    NCCL when there is a GPU and gloo otherwise. Returns whether the process is distributed."""
+def init_from_env(timeout: float = 60.0, *, devices: str = "auto") -> bool:
+    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1) on this
+    rank's device for ``devices`` (``auto``, ``cuda`` or ``cpu``: :func:`~gpipe.distributed.devices.local_device`,
+    which refuses more local ranks than GPUs): on ``cuda:LOCAL_RANK``, made the current device and bound to
+    the group (``device_id``), with ``cpu:gloo,cuda:nccl``; on the CPU with gloo. Returns whether the process
+    is distributed."""
     if dist.is_available() and dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
         return False
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if cuda else "gloo"
+    device = local_device(devices)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    options: dict[str, Any] = {"timeout": timedelta(seconds=timeout)}
+    if device.type == "cuda":
+        options["device_id"] = device
     if _restartable():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = _fresh_store(rank, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-    else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        options.update(store=_fresh_store(rank, timeout), rank=rank, world_size=world)
+    dist.init_process_group(backend_for(device), **options)
     atexit.register(_shutdown)
     return True
 

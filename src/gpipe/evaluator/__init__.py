@@ -5,6 +5,7 @@
     gpipe eval --checkpoint runs/mt --partitions 4 --out runs/mt/eval-k4
     gpipe eval --watch runs/mt                           # beside the training: each new checkpoint once
     gpipe eval --watch runs/mt --all                     # every checkpoint, none passed over
+    gpipe eval --checkpoint runs/mt --devices cpu       # on the CPU, whatever the run trained on
     torchrun --nproc-per-node 2 -m gpipe eval --checkpoint runs/mt --partitions 2
 
 The evaluation is training's own (``gpipe train --eval-every``) on the run's held-out data: for
@@ -12,6 +13,8 @@ translation the loss and BLEU per language pair, for images the loss and accurac
 the loss, perplexity and a sample. The run's settings, data and model are rebuilt from the
 checkpoint's ``run.json``; at the run's ``--partitions`` and evaluation settings the numbers are those
 training logged at that step, bit for bit, at another ``--partitions`` the same within float rounding.
+The devices are not the run's but this machine's: ``--devices`` (default ``auto``), as ``gpipe train``
+takes it.
 
 Results go to ``--out`` (default ``RUN/eval``): ``metrics.jsonl``, a row per evaluated step (``step``
 and training's evaluation keys, so the curves lie over the training run's), TensorBoard events in
@@ -42,12 +45,13 @@ import torch.distributed as dist
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.data import TranslationDataset
+from gpipe.distributed import choose_devices
 from gpipe.evaluator.job import EvalSettings, Evaluator, run_folder
 from gpipe.evaluator.results import Results, evaluated_steps
 from gpipe.evaluator.watch import watch
 from gpipe.saving import CheckpointError
 from gpipe.train.metrics import bleu_table, eval_summary
-from gpipe.translate import find_checkpoint
+from gpipe.translate import add_devices_flag, find_checkpoint
 
 __all__ = ["EvalSettings", "Evaluator", "main"]
 
@@ -71,6 +75,7 @@ def _parser() -> ArgumentParser:
         "--partitions", type=int, metavar="K",
         help="pipeline stages (default: the run's; under torchrun, dividing the world size)",
     )  # fmt: skip
+    add_devices_flag(parser)  # (not the run's: this machine's)
     for name, kind, what_ in (
         ("beam", int, "translation: beam size (1: greedy)"),
         ("length-penalty", float, "translation: beam search's length penalty alpha"),
@@ -101,6 +106,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--length-penalty must be a finite number >= 0 (got {args.length_penalty})")
     if not 0 < args.poll < math.inf:
         raise UsageError(f"--poll must be a positive number of seconds (got {args.poll})")
+    try:  # (a list's length against the stages: once the run's --partitions are known)
+        choose_devices(args.devices, args.partitions or len(args.devices.split(",")))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _checkpoint(path: str, step: int | None) -> Path:
@@ -134,8 +143,9 @@ class _Job:
         """Evaluate ``folder``; False if it did not load."""
         a = self.args
         if self.evaluator is None:
-            self.evaluator = Evaluator(folder, partitions=a.partitions, data=a.data, beam=a.beam, batch=a.batch,
-                                       length_penalty=a.length_penalty, eval_batches=a.eval_batches)  # fmt: skip
+            self.evaluator = Evaluator(folder, partitions=a.partitions, data=a.data, devices=a.devices, beam=a.beam,
+                                       batch=a.batch, length_penalty=a.length_penalty,
+                                       eval_batches=a.eval_batches)  # fmt: skip
             if self.rank == 0:
                 self.results = Results(self.out, dataclasses.asdict(self.evaluator.settings))
                 self.baseline = self.evaluator.data.baseline()

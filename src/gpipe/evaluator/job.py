@@ -121,9 +121,18 @@ class Evaluator:
     """The model of a run's checkpoint ``first`` (its settings and data), in a pipeline of
     ``partitions`` stages (default: the run's); :meth:`evaluate` loads a checkpoint of the run into it
     and evaluates it. Under torchrun every rank builds it alike: ``partitions`` stages times the
-    replicas the world holds (held-out losses only with replicas, as in training)."""
+    replicas the world holds (held-out losses only with replicas, as in training). ``devices``: this
+    machine's ``--devices``, not the run's."""
 
-    def __init__(self, first: Path, *, partitions: int | None = None, data: str | None = None, **given: Any) -> None:
+    def __init__(
+        self,
+        first: Path,
+        *,
+        partitions: int | None = None,
+        data: str | None = None,
+        devices: str = "auto",
+        **given: Any,
+    ) -> None:
         self.run = run_folder(first)
         saved, self.kind = read_run(first)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -131,9 +140,13 @@ class Evaluator:
         if world > 1 and world % k:
             raise UsageError(f"--partitions {k} does not divide torchrun's {world} processes: give one that does")
         self.cfg = dataclasses.replace(_relocated(saved, self.kind, first, self.run, data), partitions=k,
-                                       data_parallel=max(world // k, 1), fsdp=False, tensor_parallel=1)  # fmt: skip
+                                       data_parallel=max(world // k, 1), fsdp=False, tensor_parallel=1,
+                                       devices=devices)  # fmt: skip
         self.settings = EvalSettings.of_run(self.cfg, **given)
-        distributed = init_from_env(self.cfg.timeout)
+        try:
+            distributed = init_from_env(self.cfg.timeout, devices=devices)
+        except ValueError as exc:  # (--devices: a list under torchrun, more local ranks than GPUs)
+            raise UsageError(str(exc)) from None
         self.data = _data(self.cfg, self.kind, self.run)
         try:
             model = make_model(self.cfg, self.data)

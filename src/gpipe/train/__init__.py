@@ -14,6 +14,7 @@ pipeline parallelism, on the local devices or under torchrun with the same flags
     gpipe train --init runs/base --data new-pairs/ --out runs/tuned  # a warm start: weights only, steps from 1
     gpipe train --partitions 4 --schedule zb-h1 --steps 500 --out runs/zb
     gpipe train --precision bf16                  # activations in bfloat16 (autocast); weights, optimizer, loss fp32
+    gpipe train --devices cpu                     # on the CPU, whatever GPUs there are (default auto: the GPUs)
     gpipe train --out runs/zb --resume --steps 800  # continue a run, with its own settings
     torchrun --nproc-per-node 2 -m gpipe train    # one process per stage
     torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 2 --fsdp  # 2 sharded replicas
@@ -72,8 +73,8 @@ __all__ = ["ConfigError", "ConfigTypeError", "TrainConfig", "main", "one_run", "
 _GROUPS = {
     "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
               "filters", "reference_cells", "classes", "image_size", "dropout", "logit_clip", "transparent"),
-    "pipeline": ("partitions", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule", "checkpoint",
-                 "threads"),
+    "pipeline": ("partitions", "devices", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule",
+                 "checkpoint", "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
                  "precision", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length", "workers", "augment"),
@@ -84,8 +85,8 @@ _GROUPS = {
 }  # fmt: skip
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
              "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",
-             "checkpoint": "MODE", "tensorboard": "MODE", "on_nonfinite": "{stop,skip}", "timeout": "SECONDS",
-             "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
+             "checkpoint": "MODE", "devices": "DEVICES", "tensorboard": "MODE", "on_nonfinite": "{stop,skip}",
+             "timeout": "SECONDS", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.commands.args import UsageError
+from gpipe.distributed.devices import choose_devices
 from gpipe.saving import CheckpointError, latest
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "check_paths",
     "checkpoint_to_resume",
     "data_flags_error",
+    "devices_error",
     "flag",
     "newest_checkpoint",
     "typed",
@@ -127,6 +129,17 @@ def data_flags_error(cfg: Any) -> str | None:
             f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: {cfg.model!r}, "
             f"data: {cfg.data!r}); give both, or leave --augment out"
         )
+    return None
+
+
+def devices_error(cfg: Any) -> str | None:
+    """What is wrong with ``--devices`` of ``cfg`` (a ``TrainConfig``) here, if anything: a device that is
+    not there, a list of other than 1 or ``--partitions`` devices, a list under torchrun, more local ranks
+    than GPUs (:func:`gpipe.distributed.choose_devices`)."""
+    try:
+        choose_devices(cfg.devices, cfg.partitions)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

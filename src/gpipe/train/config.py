@@ -22,6 +22,7 @@ from gpipe.train.checks import (
     check_paths,
     checkpoint_to_resume,
     data_flags_error,
+    devices_error,
     flag,
     newest_checkpoint,
     typed,
@@ -168,6 +169,13 @@ class TrainConfig:
         metadata={
             "help": "T: split each layer that has a tensor-parallel plan over T processes under torchrun (D x K x T "
             "in all): --model hf with a Hugging Face plan (Llama, Qwen2, Mistral via --hf-config)"
+        },
+    )
+    devices: str = field(
+        default="auto",
+        metadata={
+            "help": "where the stages run: auto (the visible GPUs round robin, under torchrun cuda:LOCAL_RANK; the CPU "
+            "without CUDA), cpu, cuda (refused without CUDA), or cuda:0,cuda:1,...: one device, or one per partition"
         },
     )
     chunks: int = field(
@@ -386,7 +394,7 @@ class TrainConfig:
             raise ConfigError(f"--eval-every must be 0 (never) or positive (got {self.eval_every})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
-        if (error := data_flags_error(self)) is not None:
+        if (error := data_flags_error(self) or devices_error(self)) is not None:
             raise ConfigError(error)
         if self.layers < 0:
             raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")

@@ -97,9 +97,10 @@ def _grad_norm(pipe: Pipeline) -> float:
     for g in local:
         squares += float(torch.linalg.vector_norm(g.float())) ** 2
     if dist.is_initialized() and dist.get_world_size() > 1:
+        from gpipe.distributed.devices import comm_device
         from gpipe.distributed.failure import collective
 
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        device = comm_device(pipe.devices[0])
         total = squares.to(device)
         with collective("all-reduce of the gradient norm (--skip-spikes)"):
             dist.all_reduce(total)

@@ -6,8 +6,9 @@ setting that differs from the run's (the flags that overrode it), refuses those 
 middle of a run (the model's size, its data, the optimizer) and a ``--steps`` before the checkpoint, and
 tells a finished run from one with steps left. The layout (``--partitions``, ``--data-parallel``,
 ``--fsdp``) may change: a checkpoint loads into any; a sharded run resumed with ``--data-parallel 1``
-drops its ``--fsdp``. So may ``--precision`` (named, like ``--lr``): a checkpoint's weights and optimizer
-state are float32 whatever the run computed in."""
+drops its ``--fsdp``. So may ``--precision`` (named, like ``--lr``): a checkpoint's weights and
+optimizer state are float32 whatever the run computed in. ``--devices`` is not the run's but this
+invocation's (as ``--out``): a run resumes on other hardware with ``auto``, or the ``--devices`` given."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ FIXED = {
     "optimizer": "the optimizer's saved state",
 }
 # Not settings of the run: how this invocation runs.
-_INVOCATION = ("resume", "overwrite", "out", "progress", "timeout")
+_INVOCATION = ("resume", "overwrite", "out", "progress", "timeout", "devices")
 
 
 # What a run writes into OUT: another run there would write over it (OUT/vocab.model, which

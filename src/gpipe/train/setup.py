@@ -31,6 +31,7 @@ from gpipe.data.prepare import train_vocabulary
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
+from gpipe.distributed import choose_devices
 from gpipe.models import amoebanet, amoebanet_d, hf, lora, pretrained, transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import adafactor, count_tokens, label_smoothing_loss, rmsprop
@@ -112,7 +113,7 @@ def make_pipeline(
         checkpoint=Selective(save_ops="matmuls", microbatches="except_last")
         if cfg.checkpoint == "matmuls"
         else cfg.checkpoint,
-        devices=None if distributed else ["cpu"] * cfg.partitions,
+        devices=_devices(cfg),
         data_parallel=cfg.data_parallel,
         fsdp=cfg.fsdp,
         tensor_parallel=cfg.tensor_parallel,
@@ -120,6 +121,14 @@ def make_pipeline(
         cpu_threads=cfg.threads,
         timeout=cfg.timeout,
     )
+
+
+def _devices(cfg: TrainConfig) -> list[torch.device] | None:
+    """``--devices``' devices of the pipeline's workers (None under torchrun: each rank's own)."""
+    try:
+        return choose_devices(cfg.devices, cfg.partitions)
+    except ValueError as exc:  # (gpipe eval's --devices, checked here)
+        raise ConfigError(str(exc)) from None
 
 
 def make_data(cfg: TrainConfig) -> Dataset:
