@@ -46,6 +46,7 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # gloo on the CPU even beside a GPU (NCCL: one rank a GPU)
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),  # this checkout's gpipe and tests
     }
 

@@ -92,7 +92,7 @@ def test_a_watcher_without_all_evaluates_the_newest_checkpoint_and_stops(tmp_pat
 
 
 def _gpipe(*args: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, "-m", "gpipe", *args], stdout=f, stderr=subprocess.STDOUT, env=env)
 

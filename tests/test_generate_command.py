@@ -309,7 +309,7 @@ def test_torchrun_generates_what_one_process_does(run: Path, generators: dict[in
     """A process per stage (gloo): seeded sampling, whose tokens are drawn where the last stage runs
     and shared, writes the text of one process with two stages."""
     (tmp_path / "prompts.txt").write_text("".join(p + "\n" for p in PROMPTS), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",

@@ -63,7 +63,7 @@ def rank_of(pid: int) -> int | None:
 
 
 def launch(out: Path, torchrun: tuple[str, ...], *train: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "gpipe", "train", *FLAGS, *train,
            "--timeout", "10", "--out", str(out)]  # fmt: skip

@@ -239,7 +239,7 @@ def test_a_sweep_under_torchrun_runs_each_trial_on_every_rank(tmp_path: Path) ->
     (tmp_path / "space.toml").write_text(FIXED.format(steps=4) + "partitions = 2\n[search]\nlr = { low = 1e-3, "
                                          "high = 3e-2, log = true }\n")  # fmt: skip
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
                "-m", "gpipe", "sweep", str(tmp_path / "space.toml"), "--out", str(out), "--trials", "2"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)

@@ -17,7 +17,7 @@ EXAMPLE = ROOT / "examples" / "pipeline_train.py"
 
 
 def losses(cmd: list[str]) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -55,7 +55,7 @@ def test_example_runs_alike_in_one_process_and_under_torchrun(
 def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     """Every number of metrics.jsonl (losses, held-out losses, BLEU, the training health's norms and
     gradient-norm ratio) bitwise equal, but the speed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5", "--health-every", "5"]
     runs = {

@@ -33,7 +33,7 @@ FLAGS = ["--batch", "16", "--eval-every", "2", "--checkpoint-every", "2", "--no-
 def gpipe_train(nproc: int, *argv: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     """``gpipe train`` under torchrun with ``nproc`` processes (gloo on CPU), bounded by a timeout;
     ``ok``: it must succeed (else fail)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",

@@ -132,7 +132,7 @@ def test_bad_flags_and_configs(
 
 
 def test_torchrun_equals_one_process(tmp_path: Path, curve: tuple[dict[str, Any], list[float]]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
     cmd = [

@@ -68,7 +68,8 @@ class Sweep:
         """Run the trials left (up to ``settings.trials`` in all); 0, or 2 when the metric is not one the
         runs' evaluations give (the sweep stops at its first evaluation)."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            self.distributed = init_from_env(float(self.space.config({}, out=str(self.out)).timeout))
+            fixed = self.space.config({}, out=str(self.out))
+            self.distributed = init_from_env(float(fixed.timeout), devices=fixed.devices)
         error = None
         if _rank() == 0:
             try:

@@ -167,7 +167,7 @@ def one_run(out: Path, command: str = "gpipe train") -> Iterator[None]:
 
 def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) -> dict[str, Any]:
     out = Path(cfg.out)
-    distributed = init_from_env(cfg.timeout)  # (before the data: rank 0 alone trains a vocabulary)
+    distributed = init_from_env(cfg.timeout, devices=cfg.devices)  # (before the data: rank 0 alone trains a vocabulary)
     if distributed:  # every rank has decided whether it restarts the job: then rank 0 marks OUT as the job's
         with collective("barrier after the start"):
             dist.barrier()
