@@ -28,7 +28,8 @@ from gpipe.distributed.failure import (
 from gpipe.distributed.wire import Channel, make_channel
 from gpipe.runtime.executor import AbortedError, Mailbox, StepRun, Transport
 from gpipe.runtime.placement import Placement
-from gpipe.schedule.ir import ActionKind, Schedule
+from gpipe.schedule.ir import Schedule
+from gpipe.schedule.wire import check_wire, links
 
 __all__ = ["ChannelTransport"]
 
@@ -128,28 +129,20 @@ class ChannelTransport(Transport):
 
     def _route(self, schedule: Schedule) -> tuple[dict[Key, Channel], dict[Channel, list[Key]]]:
         """The channel of each key this rank sends, and per incoming channel the keys it carries, in
-        the order they travel (the sender's order of actions)."""
+        the order they travel (the sender's order of actions: :func:`gpipe.schedule.wire.links`),
+        the schedule checked once under NCCL's semantics (:func:`gpipe.schedule.wire.check_wire`)."""
         found = self._routes.get(id(schedule))  # (a step's schedule is a cached object: no hashing of it)
         if found is not None and found[0] is schedule:
             return found[1], found[2]
+        check_wire(schedule)
         sends: dict[Key, Channel] = {}
         recvs: dict[Channel, list[Key]] = {}
-        me, worker_of, last = self.placement.rank, schedule.placement, schedule.num_stages - 1
-        for w, actions in enumerate(schedule.actions):
-            for a in actions:
-                if a.kind is ActionKind.FORWARD and a.stage < last:
-                    key, dst, kind = ("act", a.microbatch, a.stage + 1), worker_of[a.stage + 1], "act"
-                elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and a.stage > 0:
-                    key, dst, kind = ("grad", a.microbatch, a.stage - 1), worker_of[a.stage - 1], "grad"
-                else:
-                    continue
-                if dst == w:
-                    continue
-                channel = self._channels[(w, dst, kind)]
-                if w == me:
-                    sends[key] = channel
-                elif dst == me:
-                    recvs.setdefault(channel, []).append(key)
+        me = self.placement.rank
+        for (src, dst, kind), keys in links(schedule).items():
+            if src == me:
+                sends.update(dict.fromkeys(keys, self._channels[(src, dst, kind)]))
+            elif dst == me:
+                recvs[self._channels[(src, dst, kind)]] = list(keys)
         if len(self._routes) > 32:  # a few (schedule, phase) pairs per pipeline
             self._routes.clear()
         self._routes[id(schedule)] = schedule, sends, recvs
