@@ -98,26 +98,35 @@ class _Done(threading.Event):
 
 class _Waiter:
     """Waits for a channel's host-memory operations, in the order they were posted, on a thread of its
-    own (started on first use): gloo's operations complete only inside ``Work.wait()``, which cannot be
-    interrupted, and its timed wait closes the connection. Host memory has no stream: waiting here
-    orders nothing on a device."""
+    own: gloo's operations complete only inside ``Work.wait()``, which cannot be interrupted, and its
+    timed wait closes the connection. Host memory has no stream: waiting here orders nothing on a
+    device. The thread starts on demand and ends once idle for ``idle`` seconds."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, idle: float = 10.0) -> None:
+        self.name, self.idle = name, idle
         self._queue: queue.SimpleQueue[tuple[Any, _Done]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._running = False
 
     def add(self, work: Any) -> _Done:
         done = _Done()
-        self._queue.put((work, done))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, daemon=True, name=f"gpipe-wait {self.name}")
-            self._thread.start()
+        with self._lock:
+            self._queue.put((work, done))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, daemon=True, name=f"gpipe-wait {self.name}").start()
         return done
 
     def _run(self) -> None:
         while True:
-            work, done = self._queue.get()
+            try:
+                work, done = self._queue.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._running = False
+                        return
+                continue
             try:
                 work.wait()
             except BaseException as exc:  # handed to the thread that waits for it
