@@ -51,7 +51,8 @@ class _WireMailbox(Mailbox):
         self._outgoing = outgoing
         self._order = order
         self._incoming = {key: channel for channel, keys in order.items() for key in keys}
-        self._next = dict.fromkeys(order, 0)
+        self._next = dict.fromkeys(order, 0)  # per incoming channel: messages finished
+        self._started = dict.fromkeys(order, 0)  # messages whose tensors' receives are posted
         self._lost = lost  # (peer, exception) -> why the step stopped, reported
         self.channels = {*outgoing.values(), *order}
         for channel in order:  # the first header of each, ahead of need
@@ -63,6 +64,7 @@ class _WireMailbox(Mailbox):
             super().put(key, value)
         else:
             self._guard(channel.dst, channel.post, value)
+        self._start_arrived()
 
     def get(self, key: Key) -> Any:
         channel = self._incoming.get(key)
@@ -71,11 +73,25 @@ class _WireMailbox(Mailbox):
         keys = self._order[channel]
         while key not in self._items:
             i = self._next[channel]
-            more = i + 1 < len(keys)
-            value = self._guard(channel.src, channel.receive, self._failed, lambda _, more=more: more)
+            if self._started[channel] == i:
+                self._start(channel)
+            self._items[keys[i]] = self._guard(channel.src, channel.finish, self._failed)
             self._next[channel] = i + 1
-            self._items[keys[i]] = value
+        self._start_arrived()
         return self._items.pop(key)
+
+    def _start(self, channel: Channel) -> None:
+        i = self._started[channel]
+        more = i + 1 < len(self._order[channel])
+        self._guard(channel.src, channel.start, self._failed, lambda _: more)
+        self._started[channel] = i + 1
+
+    def _start_arrived(self) -> None:
+        """Post the tensors' receives of every message whose header is here, ahead of need: the
+        transfer overlaps what this rank computes until it needs them."""
+        for channel, keys in self._order.items():
+            while self._started[channel] < len(keys) and channel.arrived():
+                self._start(channel)
 
     def finish(self) -> None:
         """After this rank's actions: every message received, every send delivered."""

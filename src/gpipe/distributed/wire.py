@@ -157,6 +157,7 @@ class Channel:
         self._waiter = _Waiter(repr(self))
         self._sending: deque[tuple[_Done | Any, Tensor]] = deque()  # posted sends, with what they send
         self._header: tuple[_Done, Tensor] | None = None  # the next message's header, received ahead
+        self._started: deque[tuple[list[_Done | Any], Value]] = deque()  # messages whose tensors are posted
 
     def __repr__(self) -> str:
         return f"channel {self.kind} rank {self.src} -> rank {self.dst}"
@@ -211,9 +212,14 @@ class Channel:
             header = torch.empty(1, dtype=torch.int64)
             self._header = (self._post(dist.irecv, header, self.host_group, self.src), header)
 
-    def receive(self, failed: Failed, more: Callable[[list[Any]], bool]) -> Value:
-        """The channel's next message. ``more(values)``: whether another message follows this one
-        (its values, tensors not yet received), whose header is then received while they arrive."""
+    def arrived(self) -> bool:
+        """Whether the next message's header, received ahead, is here (its tensors can be received)."""
+        return self._header is not None and isinstance(self._header[0], _Done) and self._header[0].is_set()
+
+    def start(self, failed: Failed, more: Callable[[list[Any]], bool]) -> None:
+        """Take the next message's header and layout, and post its tensors' receives. ``more(values)``:
+        whether another message follows this one (its values, tensors not yet received), whose header
+        is then received ahead while they arrive."""
         self.expect()
         assert self._header is not None
         pending, header = self._header
@@ -239,12 +245,25 @@ class Channel:
             values.append(t)
         if more(values):
             self.expect()
+        if batch:
+            spec = flat_spec(structure) if isinstance(structure, int) else structure
+            value: Value = Batch(tuple(values), spec, skips, flags)
+        else:
+            value = tuple(values)
+        self._started.append((posted, value))
+
+    def finish(self, failed: Failed) -> Value:
+        """The oldest message started: once its tensors are here (on a device: ordered on the stream)."""
+        posted, value = self._started.popleft()
         for pending in posted:
             self._wait(pending, failed)
-        if not batch:
-            return tuple(values)
-        spec = flat_spec(structure) if isinstance(structure, int) else structure
-        return Batch(tuple(values), spec, skips, flags)
+        return value
+
+    def receive(self, failed: Failed, more: Callable[[list[Any]], bool]) -> Value:
+        """The channel's next message (see :meth:`start`)."""
+        if not self._started:
+            self.start(failed, more)
+        return self.finish(failed)
 
 
 def make_channel(
