@@ -280,10 +280,12 @@ def _stream() -> list[Chunk]:
 
 
 def decoded() -> dict[str, Any]:
-    """What each of two ranks decodes (tests.dist_entry): greedy, beam search and a stream of batches."""
+    """What each of two (or four) ranks decodes (tests.dist_entry): greedy, beam search and a stream of
+    batches."""
     model = model_of(3)
     source, start = data(3)
-    pipe = Pipeline(model, [2, 3], chunks=2, loss_fn=lambda out, target: out.sum()).eval()
+    balance = [2, 3] if int(os.environ["WORLD_SIZE"]) == 2 else [1, 1, 1, 2]
+    pipe = Pipeline(model, balance, chunks=2, loss_fn=lambda out, target: out.sum()).eval()
     assert pipe.distributed and pipe.engine.placement.local_stages == (int(os.environ["RANK"]),)
     return {
         "greedy": greedy(pipe, source, start, max_len=8),
@@ -292,11 +294,12 @@ def decoded() -> dict[str, Any]:
     }
 
 
-ACROSS = POOL.add(2, "decode", "test_decode:decoded")
+ACROSS = {w: POOL.add(w, f"decode-{w}", "test_decode:decoded") for w in (2, 4)}
 
 
-def test_every_rank_of_a_distributed_pipeline_decodes_alike(pool: Pool) -> None:
-    ranks = pool(ACROSS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_of_a_distributed_pipeline_decodes_alike(pool: Pool, world: int) -> None:
+    ranks = pool(ACROSS[world])
     model = model_of(3)
     source, start = data(3)
     expected = {

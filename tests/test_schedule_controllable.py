@@ -202,11 +202,12 @@ def test_bitwise_across_partition_counts_with_dropout(name: str) -> None:
 
 
 # a case of the session's pool (tests/dist_harness.py: a few launches in all)
-ACROSS = POOL.add(2, "controllable", "controllable_steps", chunks=4)
+ACROSS = {w: POOL.add(w, f"controllable-{w}", "controllable_steps", chunks=4) for w in (2, 4)}
 
 
-def test_across_two_processes(pool: Pool) -> None:
-    ranks = pool(ACROSS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_across_processes(pool: Pool, world: int) -> None:
+    ranks = pool(ACROSS[world])
     model = dist_cases.mlp()
     x, y = dist_cases.data()
     plain_loss = torch.nn.functional.mse_loss(model(x), y)
