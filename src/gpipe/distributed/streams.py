@@ -2,12 +2,15 @@
 
 Decoding sends each group's step from stage to stage, like a training step's forwards, and the last
 stage's choice back to the first stage; how many steps there are is known only at the end. So the
-channels carry self-describing messages — a header (what the message tells the stage, the
-micro-batch, the stage), the cached rows to keep, the stage's input — and a sender stops after the
-last message of its worker, with a closing message its receiver stops at. The channels are the
-pipeline's (:class:`~gpipe.distributed.channels.ChannelTransport`), and one from the last stage's
-rank to the first stage's, made on the first decode (collectively: every rank decodes alike).
-Failures are reported and watched for as in a training step.
+channels carry self-describing messages — what the message tells the stage, the micro-batch and the
+stage (plain numbers, which travel in the layout, in host memory), the cached rows to keep, the
+stage's input — and each rank, once its worker is done, closes its outgoing channels with a closing
+message and reads its incoming ones to theirs. As in a training step, the compute thread posts every
+send at once and receives a channel's messages in order when it needs one, keeping those ahead of it
+(:mod:`gpipe.distributed.wire`). The channels are the pipeline's
+(:class:`~gpipe.distributed.channels.ChannelTransport`), and one from the last stage's rank to the
+first stage's, made on the first decode (collectively: every rank decodes alike). Failures are
+reported and watched for as in a training step.
 """
 
 from __future__ import annotations
