@@ -75,6 +75,7 @@ class _WireMailbox(Mailbox):
             i = self._next[channel]
             if self._started[channel] == i:
                 self._start(channel)
+            self._start_arrived()  # later messages whose headers are here: they arrive meanwhile
             self._items[keys[i]] = self._guard(channel.src, channel.finish, self._failed)
             self._next[channel] = i + 1
         self._start_arrived()

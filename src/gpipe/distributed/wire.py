@@ -154,7 +154,8 @@ class Channel:
         self.group, self.host_group = group, host_group
         self.sent_layout: bytes | None = None
         self.received_layout: bytes | None = None
-        self._waiter = _Waiter(repr(self))
+        self._waiter = _Waiter(repr(self))  # the tensors' operations
+        self._host_waiter = _Waiter(f"{self!r} headers")  # headers and layouts: seen as they arrive
         self._sending: deque[tuple[_Done | Any, Tensor]] = deque()  # posted sends, with what they send
         self._header: tuple[_Done, Tensor] | None = None  # the next message's header, received ahead
         self._started: deque[tuple[list[_Done | Any], Value]] = deque()  # messages whose tensors are posted
@@ -162,17 +163,22 @@ class Channel:
     def __repr__(self) -> str:
         return f"channel {self.kind} rank {self.src} -> rank {self.dst}"
 
-    def _post(self, op: Any, t: Tensor, group: Any, peer: int) -> _Done | Any:
-        """Post ``op`` (isend or irecv) of ``t``: a host operation's completion, or a device one's work."""
+    def _post(
+        self, op: Any, t: Tensor, group: Any, peer: int, *, header: bool = False, direct: bool = False
+    ) -> _Done | Any:
+        """Post ``op`` (isend or irecv) of ``t``: the work, waited for by the caller (a device's, or
+        ``direct``), or the completion of a host operation that a waiter thread waits for."""
         work = op(t, peer, group=group)
-        return work if t.device.type == "cuda" else self._waiter.add(work)
+        if direct or t.device.type == "cuda":
+            return work
+        return (self._host_waiter if header else self._waiter).add(work)
 
     @staticmethod
     def _wait(pending: _Done | Any, failed: Failed) -> None:
         if isinstance(pending, _Done):
             wait_host(pending, failed)
-        else:
-            pending.wait()  # the current (compute) stream waits for the transfer; the host goes on
+        else:  # on a device, the current (compute) stream waits and the host goes on; gloo's, the host
+            pending.wait()
 
     # The sending side.
 
@@ -210,7 +216,7 @@ class Channel:
         """Post the next message's header receive, ahead of need."""
         if self._header is None:
             header = torch.empty(1, dtype=torch.int64)
-            self._header = (self._post(dist.irecv, header, self.host_group, self.src), header)
+            self._header = (self._post(dist.irecv, header, self.host_group, self.src, header=True), header)
 
     def arrived(self) -> bool:
         """Whether the next message's header, received ahead, is here (its tensors can be received)."""
@@ -228,7 +234,7 @@ class Channel:
         size = int(header[0])  # (host memory: no device is synchronized)
         if size:
             raw = torch.empty(size, dtype=torch.uint8)
-            self._wait(self._post(dist.irecv, raw, self.host_group, self.src), failed)
+            self._wait(self._post(dist.irecv, raw, self.host_group, self.src, header=True), failed)
             self.received_layout = raw.numpy().tobytes()
         if self.received_layout is None:
             raise RuntimeError(f"{self}: the first message carried no layout")
@@ -241,7 +247,9 @@ class Channel:
                 continue
             t = torch.empty(item[2], dtype=getattr(torch, item[1]), device=self.device)
             if t.numel():
-                posted.append(self._post(dist.irecv, _as_bytes(t), self.group, self.src))
+                # (its header is here: the sender posted these sends with it, so they come unless it dies,
+                # which closes the connection; waited for directly, without a thread's hand-over)
+                posted.append(self._post(dist.irecv, _as_bytes(t), self.group, self.src, direct=True))
             values.append(t)
         if more(values):
             self.expect()
