@@ -165,13 +165,28 @@ def _first(leaves: list[Any]) -> Any:
 def grad_norms(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, float]]:
     """Every parameter with a gradient, and its gradient's norm (a sharded one's, a ``DTensor`` as
     ``Pipeline(fsdp=True)``'s, reduced over its shards: every rank holding a shard calls alike)."""
-    norms = []
+    held: list[nn.Parameter] = []
+    whole: list[Tensor] = []
     for p in params:
         if p.grad is None:
             continue
-        whole = p.grad.norm()  # (a shard's: its part of the norm, until reduced)
-        norms.append((p, float(whole.full_tensor() if isinstance(whole, DTensor) else whole)))
-    return norms
+        norm = p.grad.norm()  # (a shard's: its part of the norm, until reduced)
+        held.append(p)
+        whole.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return list(zip(held, to_floats(whole), strict=True))
+
+
+def to_floats(tensors: Sequence[Tensor]) -> list[float]:
+    """The values of 0-dim ``tensors`` as floats, read once per device and dtype (each read a
+    synchronization of a device), not once per tensor."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for n, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(n)
+    values = [0.0] * len(tensors)
+    for ns in groups.values():
+        for n, v in zip(ns, torch.stack([tensors[n] for n in ns]).tolist(), strict=True):
+            values[n] = float(v)
+    return values
 
 
 def _finite(x: float) -> float | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
 from gpipe.microbatch import batch_size, scatter
 from gpipe.rng import step_seed
@@ -88,10 +89,12 @@ class RankCollectives(Collectives):
         self.dp_group, self.pp_group = dp_group, pp_group
         # (with tensor parallelism a pipeline per (dp, tp) coordinate: the replica is not the dp rank)
         self.data_parallel, self.dp_rank = data_parallel, placement.replica if dp_rank is None else dp_rank
-        self._comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._comm_device = comm_device(device)  # (the loss's: where it is, under NCCL)
+        # the step's seed in host memory where the group has gloo for it: its read syncs no device
+        self._seed_device = torch.device("cpu") if "gloo" in str(dist.get_backend()) else self._comm_device
 
     def seed(self) -> int:
-        t = torch.tensor([step_seed()], dtype=torch.int64, device=self._comm_device)
+        t = torch.tensor([step_seed()], dtype=torch.int64, device=self._seed_device)
         with collective("broadcast of the step's seed from rank 0"):
             dist.broadcast(t, src=0)
             return int(t.item())

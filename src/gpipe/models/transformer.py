@@ -140,18 +140,20 @@ def attend(
     pad: Tensor | None = None,
     causal: bool = False,
     mask: Tensor | None = None,
+    pad_at_end: bool | None = None,
 ) -> Tensor:
     """``attn`` (:class:`Attention` or a ``batch_first`` ``nn.MultiheadAttention``, whose weights it
     uses) of ``query`` (B, T, D) over ``key`` and ``value`` (B, S, D), without a (T, S) matrix where
     the kernels allow: ``pad`` (B, S) True for the keys not to attend to, ``causal``: query t attends to
     keys up to t (self-attention), ``mask`` (T, S) or (B, 1, T, S) True where not allowed (a (T, S)
     matrix given is a (T, S) matrix used). Dropout on the attention probabilities: ``attn``'s, in
-    training mode."""
+    training mode. ``pad_at_end`` (causal with ``pad``): True, every row's padding comes after its real
+    tokens; False, not so; None, told by ``pad``'s values (a host read: a device synchronization)."""
     q, k, v, out, width = _projections(attn)
     if causal and mask is not None:
         raise ValueError("attend: give causal or a mask, not both (put the causal pairs in the mask)")
     if causal and pad is not None:
-        if _padding_at_the_end(pad):
+        if _padding_at_the_end(pad) if pad_at_end is None else pad_at_end:
             pad = None  # no real query reaches it under causal attention
         else:  # padding before real tokens: causal attention alone would let them see it
             mask = torch.ones(query.size(1), key.size(1), dtype=torch.bool, device=query.device).triu(1)
@@ -345,6 +347,7 @@ class DecoderLayer(nn.Module):
             self.cross_attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
         self.ff = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
+        self.pad_at_end: bool | None = None  # the targets' padding (attend's pad_at_end; transformer's target_padding)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
         return _split_plan(self, ("self_attn", "cross_attn") if self.cross else ("self_attn",), tp)
@@ -354,7 +357,7 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             return self._cached(cache, y, tgt_pad, memory, src_pad)
         h = self.norm1(y)
-        y = y + self.dropout(attend(self.self_attn, h, h, h, pad=tgt_pad, causal=True))
+        y = y + self.dropout(attend(self.self_attn, h, h, h, pad=tgt_pad, causal=True, pad_at_end=self.pad_at_end))
         if self.cross:
             assert memory is not None, "the decoder layer of an encoder-decoder needs the encoder's output"
             h = self.norm2(y)
@@ -437,13 +440,17 @@ def transformer(
     head_dim: int | None = None,
     attention_dropout: float | None = None,
     transparent: bool = False,
+    target_padding: str = "any",
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
     ``heads`` attention heads (each ``head_dim`` wide; default dim/heads). Input: a tuple (source
     tokens, target tokens), both (B, T); output: logits (B, T_target, vocab). ``attention_dropout``:
     on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix.
     ``transparent``: each decoder layer attends over its own learned mix of the source embedding and
-    every encoder layer's output (:mod:`gpipe.models.transparent`)."""
+    every encoder layer's output (:mod:`gpipe.models.transparent`). ``target_padding``: ``'end'``, after
+    the real tokens (gpipe's batches: no host read per attention call); ``'any'``, told by the values."""
+    if target_padding not in ("any", "end"):
+        raise ValueError(f"target_padding is 'any' or 'end' (target_padding: {target_padding!r})")
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
     model = nn.Sequential(
         SourceEmbedding(vocab, dim, max_len, dropout, pad),
@@ -452,6 +459,8 @@ def transformer(
         *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
         Output(dim, vocab, logit_clip),
     )
+    for layer in (m for m in model if isinstance(m, DecoderLayer) and target_padding == "end"):
+        layer.pad_at_end = True
     model = transparent_attention(model, layers, layers) if transparent else model
     return mark_blocks(model, 1, layers)  # (Bapna et al.'s gradient-norm ratio: the first and last encoder layers)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
+from gpipe.health import to_floats
 from gpipe.nonfinite import all_finite
 from gpipe.pipeline import Pipeline
 from gpipe.train.config import TrainConfig
@@ -94,8 +95,8 @@ def _grad_norm(pipe: Pipeline) -> float:
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     replicas = pipe.engine.comm.data_parallel if not pipe.fsdp else 1
     squares = torch.zeros((), dtype=torch.float64)
-    for g in local:
-        squares += float(torch.linalg.vector_norm(g.float())) ** 2
+    for norm in to_floats([torch.linalg.vector_norm(g.float()) for g in local]):  # (read once per device)
+        squares += norm**2
     if dist.is_initialized() and dist.get_world_size() > 1:
         from gpipe.distributed.devices import comm_device
         from gpipe.distributed.failure import collective

@@ -187,9 +187,19 @@ def _check_batch_norm(cfg: TrainConfig, model: torch.nn.Module, image: tuple[int
 def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Sequential:
     """The transformer ``cfg`` describes, for ``vocab`` tokens and sentences of up to ``length``
     (positions: at least 64). ``gpipe translate`` rebuilds a checkpoint's model with it."""
-    return transformer(cfg.depth, cfg.hidden, cfg.heads, dim=cfg.dim, vocab=vocab, max_len=max(64, length),
-                       dropout=cfg.dropout, logit_clip=cfg.logit_clip or None, transparent=cfg.transparent,
-                       head_dim=cfg.head_dim or None)  # fmt: skip
+    return transformer(
+        cfg.depth,
+        cfg.hidden,
+        cfg.heads,
+        dim=cfg.dim,
+        vocab=vocab,
+        max_len=max(64, length),
+        dropout=cfg.dropout,
+        logit_clip=cfg.logit_clip or None,
+        transparent=cfg.transparent,
+        head_dim=cfg.head_dim or None,
+        target_padding="end",
+    )  # fmt: skip (gpipe's batches: at the end)
 
 
 def image_model(cfg: TrainConfig, classes: int, channels: int) -> torch.nn.Sequential:
