@@ -127,7 +127,6 @@ class ChannelTransport(Transport):
         self.timeout = timeout
         self.device = device
         self._world = _world()  # the rank and the store its failure reports name, even after a teardown
-        me = self._world.rank
         self._channels: dict[tuple[int, int, str], Channel] = {}
         worker_of = placement.worker_of
         # new_group is collective over all ranks: every rank creates every replica's groups, in order.
@@ -139,7 +138,7 @@ class ChannelTransport(Transport):
                     if src == dst or (src, dst, kind) in made:
                         continue
                     made.add((src, dst, kind))
-                    channel = make_channel(ranks[src], ranks[dst], kind, device, timeout, member=me in ranks)
+                    channel = make_channel(ranks[src], ranks[dst], kind, device, timeout)
                     if channel is not None:
                         self._channels[(src, dst, kind)] = channel
         self._routes: dict[int, tuple[Schedule, dict[Key, Channel], dict[Channel, list[Key]]]] = {}

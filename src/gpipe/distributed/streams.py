@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch.distributed as dist
-
 from gpipe.distributed.channels import ChannelTransport
 from gpipe.distributed.failure import PipelineError
 from gpipe.distributed.wire import Channel, make_channel
@@ -127,14 +125,12 @@ class ChannelStreams(Streams):
         worker_of = placement.worker_of
         first, last = worker_of[0], worker_of[-1]
         channels = transport._channels
-        if first != last:  # the last stage's choice back to the first stage
-            me = dist.get_rank()
+        # the last stage's choice back to the first stage: a channel of its own, unless the pipeline's
+        # activations already go that way (told by the placement, alike on every rank: creating is collective)
+        stages = range(len(worker_of) - 1)
+        if first != last and not any(worker_of[s] == last and worker_of[s + 1] == first for s in stages):
             for ranks in placement.replicas:
-                if (last, first, "act") in channels:
-                    break
-                channel = make_channel(
-                    ranks[last], ranks[first], "act", transport.device, transport.timeout, member=me in ranks
-                )
+                channel = make_channel(ranks[last], ranks[first], "act", transport.device, transport.timeout)
                 if channel is not None:
                     channels[(last, first, "act")] = channel
 

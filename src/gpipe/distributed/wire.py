@@ -274,18 +274,25 @@ class Channel:
         return self.finish(failed)
 
 
-def make_channel(
-    src: int, dst: int, kind: str, device: torch.device, timeout: float, *, member: bool
-) -> Channel | None:
+def make_channel(src: int, dst: int, kind: str, device: torch.device, timeout: float) -> Channel | None:
     """A channel from global rank ``src`` to ``dst``, its process groups created (collectively: every
-    rank calls this alike, in the same order); ``None`` on a rank that is not ``member`` of it. The
-    tensors travel on ``device`` where the group's backend moves them (NCCL for CUDA), else on the CPU."""
+    rank calls this alike, in the same order); ``None`` on the other ranks. The tensors travel on
+    ``device`` where the group's backend moves them (NCCL for CUDA), else on the CPU."""
     ranks = sorted({src, dst})
     wait = timedelta(seconds=timeout)
     group = dist.new_group(ranks, timeout=wait)
     backend = str(dist.get_backend())  # (the group's, which every rank knows alike)
     host_group = group if "gloo" in backend else dist.new_group(ranks, timeout=wait, backend="gloo")
-    if not member:
+    me = dist.get_rank()
+    if me not in (src, dst):
         return None
     on_device = device.type == "cuda" and "nccl" in backend
-    return Channel(src, dst, kind, group, host_group, device if on_device else _HOST)
+    channel = Channel(src, dst, kind, group, host_group, device if on_device else _HOST)
+    # A first transfer now, while every rank creates the channels in the same order: NCCL creates a
+    # pair's communicator at its first operation, blocking both sides until the other comes, which in
+    # the middle of a step could wait for a receive the peer posts only later.
+    token = torch.zeros(1, device=channel.device)
+    work = dist.isend(token, dst, group=group) if me == src else dist.irecv(token, src, group=group)
+    assert work is not None  # (a member of the group)
+    work.wait()
+    return channel
