@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench docs clean
+.PHONY: demo test lint typecheck pytest bench docs gpu-check gpu-check-multi clean
 
 # torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages. The
 # dev extra is the hf and tensorboard extras and the tools (README: installing with pip alone).
@@ -41,6 +41,15 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/gpipe bench --out runs/bench
+
+# The GPU checks (tests/gpu, docs/guides/gpus.md): with a CUDA device, pytest -m cuda and a report in
+# benchmarks/results/gpu/report.md; without one, a line saying so and a check that tests/gpu is collected.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
+
+# The same for the checks that need two GPUs or more (pytest -m cuda_multi): report-multi.md.
+gpu-check-multi: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --multi
 
 # The documentation site (Sphinx and MyST, docs/README.md) into docs/_build/html, strictly: a warning, a broken
 # cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too). Only changed pages

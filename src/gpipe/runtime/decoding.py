@@ -28,7 +28,6 @@ stage's; ``feed.next`` runs only on the last stage's rank.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from gpipe.cache import Cache, using
 from gpipe.microbatch import Batch
 from gpipe.runtime.context import StepContext
 from gpipe.runtime.executor import AbortedError, Executor, Mailbox
+from gpipe.runtime.timing import Stamp, Trace
 from gpipe.schedule.decode import decode_order
 from gpipe.schedule.ir import Action
 
@@ -87,8 +87,9 @@ class Feed(Protocol):
 class DecodeTrace:
     """What a decode did: every step's time on its worker, and the caches' peak bytes per stage."""
 
-    events: list[tuple[int, Action, int, int]] = field(default_factory=list)
-    """(worker, F(micro-batch, stage), start ns, end ns) of every step this process ran."""
+    events: Trace = field(default_factory=Trace)
+    """(worker, F(micro-batch, stage), start ns, end ns) of every step this process ran (on a CUDA
+    device, when its stream ran it: :mod:`gpipe.runtime.timing`)."""
     cache_bytes: dict[int, int] = field(default_factory=dict)
     """Per stage of this process, the most bytes its caches (all groups) held after a step."""
     steps: int = 0
@@ -209,15 +210,15 @@ class _Run:
                 cache.reorder(rows)
             stage = self.executor.stages[s]
             assert payload is not None
-            start = time.perf_counter_ns()
+            start = self.trace.events.stamp(stage.device)
             with using(cache):
                 out, _ = stage.forward(m, stage.receive(payload), self.ctx)
             if s < last:
-                end = time.perf_counter_ns()
+                end = self.trace.events.stamp(stage.device)
                 mailbox.put(("act", m, s + 1), (control, rows, out))
             else:
                 nxt = self.feed.next(g, out.value)
-                end = time.perf_counter_ns()
+                end = self.trace.events.stamp(stage.device)
                 if nxt.inputs is None:
                     mailbox.put(("act", m + groups, 0), (DONE, None, None))
                 else:
@@ -225,12 +226,12 @@ class _Run:
                     mailbox.put(("act", m + groups, 0), (kind, nxt.rows, Batch.of(nxt.inputs)))
             self._record(w, action, start, end, s)
 
-    def _record(self, w: int, action: Action, start: int, end: int, s: int) -> None:
+    def _record(self, w: int, action: Action, start: Stamp, end: Stamp, s: int) -> None:
         held = self._bytes.setdefault(s, [0] * self.groups)  # (per group, after its last step here)
         held[action.microbatch % self.groups] = self.caches[(s, action.microbatch % self.groups)].nbytes
         size = sum(held)
         with self._lock:
-            self.trace.events.append((w, action, start, end))
+            self.trace.events.add(w, action, start, end)
             self.trace.cache_bytes[s] = max(self.trace.cache_bytes.get(s, 0), size)
             if s == self.last:
                 self.trace.steps += 1

@@ -28,7 +28,6 @@ where backward is entered from autograd's own device threads.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -43,6 +42,7 @@ from gpipe.rng import Watch
 from gpipe.runtime.context import Grads, Saved, StepContext
 from gpipe.runtime.placement import Placement
 from gpipe.runtime.stage import Stage
+from gpipe.runtime.timing import Trace, TraceEvent
 from gpipe.schedule.ir import STAGE_WIDE, Action, ActionKind, Schedule, execution_order
 
 __all__ = ["Executor", "Mailbox", "StepRun", "TraceEvent", "Transport"]
@@ -86,16 +86,6 @@ class Mailbox:
             self._cond.notify_all()
 
 
-@dataclass(frozen=True)
-class TraceEvent:
-    """One executed action: on which worker, and when (``time.perf_counter_ns``)."""
-
-    worker: int
-    action: Action
-    start_ns: int
-    end_ns: int
-
-
 @dataclass
 class StepRun:
     """The state of one step: its context, what forwards saved for backwards, and the results."""
@@ -104,7 +94,7 @@ class StepRun:
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     mailbox: Mailbox = field(default_factory=Mailbox)
     split: frozenset[tuple[int, int]] = frozenset()
-    trace: list[TraceEvent] = field(default_factory=list)
+    trace: Trace = field(default_factory=Trace)
     meter: ActivationMeter | None = None
 
     def recording(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
@@ -294,13 +284,13 @@ class Executor:
                     f"{action}: the schedule gathers and reduces sharded parameters, but this pipeline's "
                     "stages are not sharded (Pipeline(..., fsdp=True) shards them)"
                 )
-            start = time.perf_counter_ns()
+            start = run.trace.stamp(stage.device)
             self.stage_wide(action)
-            run.trace.append(TraceEvent(worker, action, start, time.perf_counter_ns()))
+            run.trace.add(worker, action, start, run.trace.stamp(stage.device))
             return
         if kind is ActionKind.FORWARD:
             batch = run.mailbox.get(("act", m, s))
-            start = time.perf_counter_ns()
+            start = run.trace.stamp(stage.device)
             batch = stage.receive(batch)
             with torch.set_grad_enabled(run.ctx.grad_enabled), run.recording(s, m):
                 out, saved = stage.forward(m, batch, run.ctx, split=(s, m) in run.split)
@@ -308,7 +298,7 @@ class Executor:
                 run.saved[(s, m)] = saved
                 if run.meter is not None and saved.outputs is None:
                     run.meter.hold(s, m, saved.inputs.tensors())
-            end = time.perf_counter_ns()  # before the hand-over: its consumer may start at once
+            end = run.trace.stamp(stage.device)  # before the hand-over: its consumer may start at once
             run.mailbox.put(("act", m, s + 1), out)
         else:
             saved = run.saved.get((s, m))
@@ -318,13 +308,13 @@ class Executor:
                     "(torch.no_grad) or is backward running twice?"
                 )
             if kind is ActionKind.BACKWARD_WEIGHT:
-                start = time.perf_counter_ns()
+                start = run.trace.stamp(stage.device)
                 stage.backward_weight(m, saved)
                 self._release(s, m, run)
-                end = time.perf_counter_ns()
+                end = run.trace.stamp(stage.device)
             else:
                 grads = run.mailbox.get(("grad", m, s))
-                start = time.perf_counter_ns()
+                start = run.trace.stamp(stage.device)
                 grads = stage.receive(grads)
                 with run.recording(s, m):  # a re-materialized forward saves anew
                     if kind is ActionKind.BACKWARD:
@@ -332,9 +322,9 @@ class Executor:
                         self._release(s, m, run)
                     else:
                         input_grads = stage.backward_input(m, saved, grads, run.ctx)
-                end = time.perf_counter_ns()
+                end = run.trace.stamp(stage.device)
                 run.mailbox.put(("grad", m, s - 1), input_grads)
-        run.trace.append(TraceEvent(worker, action, start, end))
+        run.trace.add(worker, action, start, end)
 
     @staticmethod
     def _release(s: int, m: int, run: StepRun) -> None:

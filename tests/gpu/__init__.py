@@ -1,0 +1,1 @@
+"""Checks that need a CUDA device (``make gpu-check``): skipped, but collected, without one."""
