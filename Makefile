@@ -44,12 +44,16 @@ bench: $(STAMP)
 
 # The GPU checks (tests/gpu, docs/guides/gpus.md): with a CUDA device, pytest -m cuda and a report in
 # benchmarks/results/gpu/report.md; without one, a line saying so and a check that tests/gpu is collected.
-gpu-check: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py
+# GPU_PYTHON=python3: with that interpreter's own (CUDA) PyTorch and packages, gpipe from src/, no venv
+# built (a GPU machine that cannot fetch packages, where the venv's CPU wheel of torch would be no use).
+GPU_PYTHON ?=
+GPU_RUN = $(if $(GPU_PYTHON),PYTHONPATH=src:. $(GPU_PYTHON),$(BIN)/python)
+gpu-check: $(if $(GPU_PYTHON),,$(STAMP))
+	$(GPU_RUN) benchmarks/gpu_check.py
 
 # The same for the checks that need two GPUs or more (pytest -m cuda_multi): report-multi.md.
-gpu-check-multi: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py --multi
+gpu-check-multi: $(if $(GPU_PYTHON),,$(STAMP))
+	$(GPU_RUN) benchmarks/gpu_check.py --multi
 
 # The documentation site (Sphinx and MyST, docs/README.md) into docs/_build/html, strictly: a warning, a broken
 # cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too). Only changed pages
