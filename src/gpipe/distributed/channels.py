@@ -36,7 +36,27 @@ __all__ = ["ChannelTransport"]
 Key = tuple[str, int, int]
 
 
-class _WireMailbox(Mailbox):
+class PeerMailbox(Mailbox):
+    """A mailbox whose letters travel between ranks: a transfer that fails stops the step, naming the
+    peer lost (``lost(peer, exception)`` reports it and says why); a failure elsewhere stops its waits."""
+
+    def __init__(self, lost: Any) -> None:
+        super().__init__()
+        self._lost = lost
+
+    def _failed(self) -> str | None:
+        return self.failed
+
+    def _guard(self, peer: int, call: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except AbortedError:
+            raise
+        except Exception as exc:  # the peer is gone, or timed out
+            raise AbortedError(self._lost(peer, exc)) from exc
+
+
+class _WireMailbox(PeerMailbox):
     """A step's mailbox on one rank: a letter for a stage on another rank is posted on its channel at
     once; a letter from another rank is received when asked for, each channel's messages in the
     sender's order (``order``), those ahead of the one asked for kept until their turn."""
@@ -47,13 +67,12 @@ class _WireMailbox(Mailbox):
         order: dict[Channel, list[Key]],
         lost: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(lost)
         self._outgoing = outgoing
         self._order = order
         self._incoming = {key: channel for channel, keys in order.items() for key in keys}
         self._next = dict.fromkeys(order, 0)  # per incoming channel: messages finished
         self._started = dict.fromkeys(order, 0)  # messages whose tensors' receives are posted
-        self._lost = lost  # (peer, exception) -> why the step stopped, reported
         self.channels = {*outgoing.values(), *order}
         for channel in order:  # the first header of each, ahead of need
             self._guard(channel.src, channel.expect)
@@ -101,17 +120,6 @@ class _WireMailbox(Mailbox):
                 raise RuntimeError(f"{channel}: the step consumed {self._next[channel]} of its {len(keys)} messages")
         for channel in self._outgoing.values():
             self._guard(channel.dst, channel.flush, self._failed)
-
-    def _failed(self) -> str | None:
-        return self.failed
-
-    def _guard(self, peer: int, call: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return call(*args, **kwargs)
-        except AbortedError:
-            raise
-        except Exception as exc:  # the peer is gone, or timed out
-            raise AbortedError(self._lost(peer, exc)) from exc
 
 
 class ChannelTransport(Transport):

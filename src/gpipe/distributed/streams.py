@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpipe.distributed.channels import ChannelTransport
+from gpipe.distributed.channels import ChannelTransport, PeerMailbox
 from gpipe.distributed.failure import PipelineError
 from gpipe.distributed.wire import Channel, make_channel
 from gpipe.microbatch import Batch
@@ -52,7 +52,7 @@ def _more(values: list[Any]) -> bool:
     return bool(values[0] != _CLOSE)
 
 
-class _Outbox(Mailbox):
+class _Outbox(PeerMailbox):
     """A decode's mailbox on one rank: a message for a stage on another rank is posted on the channel
     to that stage's worker at once; one from another rank is received when asked for, reading the
     channel its stage's input comes by in order (the messages ahead of it kept) until it arrives."""
@@ -60,10 +60,9 @@ class _Outbox(Mailbox):
     def __init__(
         self, worker_of: tuple[int, ...], me: int, out: dict[int, Channel], into: dict[int, Channel], lost: Any
     ) -> None:
-        super().__init__()
+        super().__init__(lost)
         self.worker_of, self.me, self.out, self.into = worker_of, me, out, into
         self.open = set(into.values())  # the incoming channels whose closing message has not come
-        self._lost = lost
         for channel in self.open:
             self._guard(channel.src, channel.expect)
 
@@ -103,17 +102,6 @@ class _Outbox(Mailbox):
             self._receive(next(iter(self.open)))
         for channel in self.out.values():
             self._guard(channel.dst, channel.flush, self._failed)
-
-    def _failed(self) -> str | None:
-        return self.failed
-
-    def _guard(self, peer: int, call: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return call(*args, **kwargs)
-        except AbortedError:
-            raise
-        except Exception as exc:  # the peer is gone, or timed out
-            raise AbortedError(self._lost(peer, exc)) from exc
 
 
 class ChannelStreams(Streams):
