@@ -79,6 +79,12 @@ def _round(tree: Path, steps: int, schedules: str) -> dict[str, float]:
     return dict(json.loads(line.removeprefix("RESULT ")))
 
 
+def _name(tree: Path) -> str:
+    """The tree's commit, where it is a git checkout (its folder otherwise)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"commit {done.stdout.strip()}" if done.returncode == 0 else str(tree)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("a", type=Path, help="tree A (before)")
@@ -97,7 +103,8 @@ def main() -> None:
         "# The transport between ranks: two trees side by side",
         "",
         f"Reproduce: `python benchmarks/ab_transport.py A B --rounds {args.rounds} --steps {args.steps}`; "
-        f"A = {trees['A']}, B = {trees['B']}. 2 ranks over gloo, 1 thread each; see the script's docstring.",
+        f"A = {_name(trees['A'])}, B = {_name(trees['B'])}. 2 ranks over gloo, 1 thread each; see the script's "
+        "docstring.",
         "",
         "| schedule | A step (ms) | B step (ms) | B / A |",
         "|---|---|---|---|",
