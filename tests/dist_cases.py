@@ -393,10 +393,10 @@ def masked_step(schedule: str, checkpoint: str) -> dict[str, Any]:
     sent: list[list[str]] = []
     send = wire.Channel.post
 
-    def spy(channel: wire.Channel, value: Any) -> None:
+    def spy(channel: wire.Channel, value: Any, **how: bool) -> None:
         if channel.kind == "grad":
             sent.append(["none" if v is None else "tensor" for v in value])
-        send(channel, value)
+        send(channel, value, **how)
 
     wire.Channel.post = spy  # type: ignore[method-assign]
     try:  # (put back: another case may follow in this process, tests/dist_entry.py's cases)

@@ -34,6 +34,7 @@ from gpipe.schedule.wire import check_wire, links
 __all__ = ["ChannelTransport"]
 
 Key = tuple[str, int, int]
+_Send = tuple[Channel, int, int]  # a key's channel, its place among the step's messages there, their number
 
 
 class PeerMailbox(Mailbox):
@@ -63,7 +64,7 @@ class _WireMailbox(PeerMailbox):
 
     def __init__(
         self,
-        outgoing: dict[Key, Channel],
+        outgoing: dict[Key, _Send],
         order: dict[Channel, list[Key]],
         lost: Any,
     ) -> None:
@@ -73,16 +74,16 @@ class _WireMailbox(PeerMailbox):
         self._incoming = {key: channel for channel, keys in order.items() for key in keys}
         self._next = dict.fromkeys(order, 0)  # per incoming channel: messages finished
         self._started = dict.fromkeys(order, 0)  # messages whose tensors' receives are posted
-        self.channels = {*outgoing.values(), *order}
         for channel in order:  # the first header of each, ahead of need
             self._guard(channel.src, channel.expect)
 
     def put(self, key: Key, value: Any) -> None:
-        channel = self._outgoing.get(key)
-        if channel is None:
+        send = self._outgoing.get(key)
+        if send is None:
             super().put(key, value)
-        else:
-            self._guard(channel.dst, channel.post, value)
+        else:  # (its receiver posted the tensors' receives ahead, with the sizes of the one before, if any)
+            channel, i, count = send
+            self._guard(channel.dst, channel.post, value, guessed=i > 0, more=i + 1 < count)
         self._start_arrived()
 
     def get(self, key: Key) -> Any:
@@ -103,7 +104,7 @@ class _WireMailbox(PeerMailbox):
     def _start(self, channel: Channel) -> None:
         i = self._started[channel]
         more = i + 1 < len(self._order[channel])
-        self._guard(channel.src, channel.start, self._failed, lambda _: more)
+        self._guard(channel.src, channel.start, self._failed, lambda _: more, guess=True)
         self._started[channel] = i + 1
 
     def _start_arrived(self) -> None:
@@ -118,7 +119,7 @@ class _WireMailbox(PeerMailbox):
         for channel, keys in self._order.items():
             if self._next[channel] != len(keys):
                 raise RuntimeError(f"{channel}: the step consumed {self._next[channel]} of its {len(keys)} messages")
-        for channel in self._outgoing.values():
+        for channel in {send[0] for send in self._outgoing.values()}:
             self._guard(channel.dst, channel.flush, self._failed)
 
 
@@ -149,9 +150,9 @@ class ChannelTransport(Transport):
                     channel = make_channel(ranks[src], ranks[dst], kind, device, timeout)
                     if channel is not None:
                         self._channels[(src, dst, kind)] = channel
-        self._routes: dict[int, tuple[Schedule, dict[Key, Channel], dict[Channel, list[Key]]]] = {}
+        self._routes: dict[int, tuple[Schedule, dict[Key, _Send], dict[Channel, list[Key]]]] = {}
 
-    def _route(self, schedule: Schedule) -> tuple[dict[Key, Channel], dict[Channel, list[Key]]]:
+    def _route(self, schedule: Schedule) -> tuple[dict[Key, _Send], dict[Channel, list[Key]]]:
         """The channel of each key this rank sends, and per incoming channel the keys it carries, in
         the order they travel (the sender's order of actions: :func:`gpipe.schedule.wire.links`),
         the schedule checked once under NCCL's semantics (:func:`gpipe.schedule.wire.check_wire`)."""
@@ -159,12 +160,13 @@ class ChannelTransport(Transport):
         if found is not None and found[0] is schedule:
             return found[1], found[2]
         check_wire(schedule)
-        sends: dict[Key, Channel] = {}
+        sends: dict[Key, _Send] = {}
         recvs: dict[Channel, list[Key]] = {}
         me = self.placement.rank
         for (src, dst, kind), keys in links(schedule).items():
             if src == me:
-                sends.update(dict.fromkeys(keys, self._channels[(src, dst, kind)]))
+                channel = self._channels[(src, dst, kind)]
+                sends.update({key: (channel, i, len(keys)) for i, key in enumerate(keys)})
             elif dst == me:
                 recvs[self._channels[(src, dst, kind)]] = list(keys)
         if len(self._routes) > 32:  # a few (schedule, phase) pairs per pipeline

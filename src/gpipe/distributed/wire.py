@@ -149,9 +149,11 @@ class Channel:
     """One direction of traffic between two ranks (global ``src`` and ``dst``): ``group`` carries its
     tensors on ``device``, ``host_group`` (gloo) its headers and layouts. See the module's docstring."""
 
-    def __init__(self, src: int, dst: int, kind: str, group: Any, host_group: Any, device: torch.device) -> None:
+    def __init__(
+        self, src: int, dst: int, kind: str, group: Any, host_group: Any, device: torch.device, ahead: Any = None
+    ) -> None:
         self.src, self.dst, self.kind, self.device = src, dst, kind, device
-        self.group, self.host_group = group, host_group
+        self.group, self.host_group, self.ahead_group = group, host_group, ahead_group_or(ahead, group)
         self.sent_layout: bytes | None = None
         self.received_layout: bytes | None = None
         self._waiter = _Waiter(repr(self))  # the tensors' operations
@@ -159,6 +161,8 @@ class Channel:
         self._sending: deque[tuple[_Done | Any, Tensor]] = deque()  # posted sends, with what they send
         self._header: tuple[_Done, Tensor] | None = None  # the next message's header, received ahead
         self._started: deque[tuple[list[_Done | Any], Value]] = deque()  # messages whose tensors are posted
+        self._ahead: list[tuple[_Done | Any, Tensor]] | None = None  # the next message's tensors, guessed
+        self._ahead_sizes: list[int] | None = None  # (sending) the byte sizes the receiver guessed
 
     def __repr__(self) -> str:
         return f"channel {self.kind} rank {self.src} -> rank {self.dst}"
@@ -173,6 +177,10 @@ class Channel:
             return work
         return (self._host_waiter if header else self._waiter).add(work)
 
+    def _empty(self, item: tuple[Any, ...]) -> Tensor:
+        """A tensor for a layout's item ``('t', dtype, shape)``, on the channel's device."""
+        return torch.empty(item[2], dtype=getattr(torch, item[1]), device=self.device)
+
     @staticmethod
     def _wait(pending: _Done | Any, failed: Failed) -> None:
         if isinstance(pending, _Done):
@@ -182,17 +190,24 @@ class Channel:
 
     # The sending side.
 
-    def post(self, value: Value) -> None:
-        """Send ``value``: post its operations and return (their buffers are held until they complete)."""
+    def post(self, value: Value, *, guessed: bool = False, more: bool = False) -> None:
+        """Send ``value``: post its operations and return (their buffers are held until they complete).
+        ``guessed``: the receiver posted this message's tensors' receives ahead, with the sizes of the
+        last message's (:meth:`start`'s ``guess``); ``more``: it will do so for the next one."""
         layout, tensors = layout_of(value)
         changed = layout != self.sent_layout
+        sending = [_as_bytes(t.to(self.device)) for t in tensors if t.numel()]
+        if guessed and changed:  # what the receiver guessed, met with nothing (it reads the new layout)
+            assert self._ahead_sizes is not None
+            for size in self._ahead_sizes:
+                self._send(torch.zeros(size, dtype=torch.uint8, device=self.device), self.ahead_group)
         self._send(torch.tensor([len(layout) if changed else 0], dtype=torch.int64), self.host_group)
         if changed:
             self._send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), self.host_group)
             self.sent_layout = layout
-        for t in tensors:
-            if t.numel():
-                self._send(_as_bytes(t.to(self.device)), self.group)
+        for t in sending:
+            self._send(t, self.ahead_group if guessed and not changed else self.group)
+        self._ahead_sizes = [t.numel() for t in sending] if more else None
         while self._sending:  # let go of what was delivered
             pending = self._sending[0][0]
             if not (pending.is_set() if isinstance(pending, _Done) else pending.is_completed()):
@@ -222,16 +237,23 @@ class Channel:
         """Whether the next message's header, received ahead, is here (its tensors can be received)."""
         return self._header is not None and isinstance(self._header[0], _Done) and self._header[0].is_set()
 
-    def start(self, failed: Failed, more: Callable[[list[Any]], bool]) -> None:
+    def start(self, failed: Failed, more: Callable[[list[Any]], bool], *, guess: bool = False) -> None:
         """Take the next message's header and layout, and post its tensors' receives. ``more(values)``:
         whether another message follows this one (its values, tensors not yet received), whose header
-        is then received ahead while they arrive."""
+        is then received ahead while they arrive; with ``guess`` its tensors' receives too, with this
+        message's sizes, on the channel's third group (its sender sends them there when its layout is
+        unchanged, else something of those sizes)."""
         self.expect()
         assert self._header is not None
         pending, header = self._header
         self._header = None
         self._wait(pending, failed)
         size = int(header[0])  # (host memory: no device is synchronized)
+        guessed, self._ahead = self._ahead, None
+        if guessed is not None and size:  # the guess was wrong: what came instead is dropped
+            for work, _ in guessed:
+                self._wait(work, failed)
+            guessed = None
         if size:
             raw = torch.empty(size, dtype=torch.uint8)
             self._wait(self._post(dist.irecv, raw, self.host_group, self.src, header=True), failed)
@@ -241,17 +263,28 @@ class Channel:
         batch, structure, skips, flags, items = pickle.loads(self.received_layout)
         values: list[Any] = []
         posted: list[_Done | Any] = []
+        right = iter(guessed) if guessed is not None else None  # the guess was right: its tensors are these
         for item in items:
             if item[0] == "v":
                 values.append(item[1])
                 continue
-            t = torch.empty(item[2], dtype=getattr(torch, item[1]), device=self.device)
+            t = self._empty(item)
             if t.numel():
-                # (its header is here: the sender posted these sends with it, so they come unless it dies,
-                # which closes the connection; waited for directly, without a thread's hand-over)
-                posted.append(self._post(dist.irecv, _as_bytes(t), self.group, self.src, direct=True))
+                if right is not None:
+                    work, t = next(right)
+                else:  # (its header is here: the sender posted these sends with it, so they come unless it
+                    # dies, which closes the connection; waited for directly, without a thread's hand-over)
+                    work = self._post(dist.irecv, _as_bytes(t), self.group, self.src, direct=True)
+                posted.append(work)
             values.append(t)
         if more(values):
+            if guess:  # the next message's tensors, guessed to be of these sizes
+                ahead = [self._empty(item) for item in items if item[0] == "t"]
+                self._ahead = [
+                    (self._post(dist.irecv, _as_bytes(t), self.ahead_group, self.src, direct=True), t)
+                    for t in ahead
+                    if t.numel()
+                ]
             self.expect()
         if batch:
             spec = flat_spec(structure) if isinstance(structure, int) else structure
@@ -274,6 +307,10 @@ class Channel:
         return self.finish(failed)
 
 
+def ahead_group_or(ahead: Any, group: Any) -> Any:
+    return group if ahead is None else ahead
+
+
 def make_channel(src: int, dst: int, kind: str, device: torch.device, timeout: float) -> Channel | None:
     """A channel from global rank ``src`` to ``dst``, its process groups created (collectively: every
     rank calls this alike, in the same order); ``None`` on the other ranks. The tensors travel on
@@ -283,16 +320,18 @@ def make_channel(src: int, dst: int, kind: str, device: torch.device, timeout: f
     group = dist.new_group(ranks, timeout=wait)
     backend = str(dist.get_backend())  # (the group's, which every rank knows alike)
     host_group = group if "gloo" in backend else dist.new_group(ranks, timeout=wait, backend="gloo")
+    ahead = dist.new_group(ranks, timeout=wait)  # the tensors of a message whose receives were posted ahead
     me = dist.get_rank()
     if me not in (src, dst):
         return None
     on_device = device.type == "cuda" and "nccl" in backend
-    channel = Channel(src, dst, kind, group, host_group, device if on_device else _HOST)
+    channel = Channel(src, dst, kind, group, host_group, device if on_device else _HOST, ahead)
     # A first transfer now, while every rank creates the channels in the same order: NCCL creates a
     # pair's communicator at its first operation, blocking both sides until the other comes, which in
     # the middle of a step could wait for a receive the peer posts only later.
     token = torch.zeros(1, device=channel.device)
-    work = dist.isend(token, dst, group=group) if me == src else dist.irecv(token, src, group=group)
-    assert work is not None  # (a member of the group)
-    work.wait()
+    for g in (group, ahead):
+        work = dist.isend(token, dst, group=g) if me == src else dist.irecv(token, src, group=g)
+        assert work is not None  # (a member of the group)
+        work.wait()
     return channel
