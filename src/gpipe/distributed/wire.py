@@ -25,6 +25,13 @@ group where its backend has gloo for the CPU, else a gloo group of its own): the
 without synchronizing a device. The tensors travel on the stage's device (NCCL on CUDA) or over gloo
 on the CPU. The next message's header is received ahead, while the tensors arrive.
 
+**Receiving ahead.** Within a step both sides know how many messages a channel carries. Once the
+receiver knows message i's layout, it posts message i+1's tensor receives at once, guessed to be of
+message i's sizes, on the channel's third group (``ahead_group``): a consumer taking messages back to
+back then never waits for a transfer to start. The sender sends message i+1's tensors on that group
+when its layout is unchanged; when it changed, it first sends zeros of the guessed sizes there (the
+receiver drops them), then the header with the new layout and the tensors on ``group``.
+
 **Waiting.** A host-memory operation (every gloo one) completes only inside ``Work.wait()``, which
 cannot be interrupted (and gloo's timed wait closes the connection): a thread per channel waits for
 them in the order they were posted — host memory has no stream, so nothing on a device is ordered by
