@@ -308,13 +308,7 @@ class Recorder:
     def _output_squares(self) -> dict[int, float]:
         """This process's sum of squares per global layer (over micro-batches and input positions)."""
         keys = sorted(self._squares)
-        by_device: dict[torch.device, list[int]] = {}
-        for n, key in enumerate(keys):
-            by_device.setdefault(self._squares[key].device, []).append(n)
-        values = [0.0] * len(keys)
-        for ns in by_device.values():  # (one copy per device)
-            for n, v in zip(ns, torch.stack([self._squares[keys[n]] for n in ns]).tolist()):
-                values[n] = v
+        values = to_floats([self._squares[key] for key in keys])  # (one copy per device)
         per_layer: dict[int, list[float]] = {}
         for (layer, _, _), v in zip(keys, values):
             per_layer.setdefault(layer, []).append(v)

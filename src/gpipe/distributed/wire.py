@@ -160,7 +160,7 @@ class Channel:
         self, src: int, dst: int, kind: str, group: Any, host_group: Any, device: torch.device, ahead: Any = None
     ) -> None:
         self.src, self.dst, self.kind, self.device = src, dst, kind, device
-        self.group, self.host_group, self.ahead_group = group, host_group, ahead_group_or(ahead, group)
+        self.group, self.host_group, self.ahead_group = group, host_group, group if ahead is None else ahead
         self.sent_layout: bytes | None = None
         self.received_layout: bytes | None = None
         self._waiter = _Waiter(repr(self))  # the tensors' operations
@@ -312,10 +312,6 @@ class Channel:
         if not self._started:
             self.start(failed, more)
         return self.finish(failed)
-
-
-def ahead_group_or(ahead: Any, group: Any) -> Any:
-    return group if ahead is None else ahead
 
 
 def make_channel(src: int, dst: int, kind: str, device: torch.device, timeout: float) -> Channel | None:
