@@ -8,8 +8,8 @@ line finishes by itself:
   checkpoint on the layout derived again (`--data-parallel 0`: one replica instead of two), with the losses
   of the uninterrupted run up to the rounding of the data-parallel sum.
 
-The four jobs run side by side (the agent kills the frozen rank 3 s after it stopped the group:
-`--shutdown-timeout 3`, instead of 30), and the reference run in this process while they recover; each
+The four jobs run side by side (the agent kills the frozen rank 5 s after it stopped the group:
+`--shutdown-timeout 5`, instead of 30), and the reference run in this process while they recover; each
 is bounded by a timeout, and its processes are killed whatever happens."""
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def strip(r: dict[str, Any]) -> dict[str, Any]:
 def restart_of(out: Path) -> dict[str, Any]:
     (restart,) = [json.loads(line) for line in (out / "restarts.jsonl").read_text().splitlines()]
     assert restart["restart"] == 1 and restart["resumed_from"] in (8, 16), restart
-    assert restart["steps_again"] < 8 and restart["seconds"] > 0, restart  # at most one checkpoint interval
+    assert restart["steps_again"] < 8 and (restart["seconds"] or 0) > 0, restart  # at most one checkpoint interval
     return restart
 
 
 def test_lost_ranks_and_a_lost_node_are_restarted_and_the_losses_are_the_uninterrupted_runs(tmp_path: Path) -> None:
-    pair = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--shutdown-timeout", "3")
+    pair = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--shutdown-timeout", "5")
     node = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{free_port()}", "--rdzv-id", "nodes-test", "--max-restarts", "2", "--rdzv-conf",
             "last_call_timeout=3")  # fmt: skip

@@ -159,6 +159,22 @@ def job(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     return lambda n: monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(n))
 
 
+def test_a_rank_records_its_failure_at_once_and_then_who_is_lost(job: Callable[[int], None], tmp_path: Path) -> None:
+    """torchrun's agent kills a rank a few seconds after its SIGTERM: what the rank knows is written before
+    it asks the heartbeats (seconds), then replaced, keeping the failure's time; a final record stays."""
+    from gpipe.train.elastic import record_failure
+
+    path = tmp_path / ".failures" / "rank-0.json"
+    record_failure(tmp_path, "lost", "rank 0 was stopped by SIGTERM", provisional=True)
+    first = json.loads(path.read_text())
+    assert first["message"] == "rank 0 was stopped by SIGTERM"
+    record_failure(tmp_path, "lost", "rank 1 is gone (rank 0 was stopped by SIGTERM)")
+    second = json.loads(path.read_text())
+    assert second["message"] == "rank 1 is gone (rank 0 was stopped by SIGTERM)" and second["time"] == first["time"]
+    record_failure(tmp_path, "lost", "something later")
+    assert json.loads(path.read_text()) == second
+
+
 def test_a_restarted_job_continues_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(
     job: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -143,15 +143,25 @@ def finished(out: Path) -> None:
         (out / JOB).unlink(missing_ok=True)
 
 
-def record_failure(out: Path, kind: str, message: str, step: int | None = None) -> None:
+_provisional: dict[Path, float] = {}  # records this process wrote before it knew more: their failure's time
+
+
+def record_failure(out: Path, kind: str, message: str, step: int | None = None, *, provisional: bool = False) -> None:
     """Why this rank saw the job fail (``kind``: "lost" or "nonfinite"), for the restart to read;
-    only under torchrun. Never raises: the failure itself is what matters."""
+    only under torchrun. Never raises: the failure itself is what matters. A rank's first record
+    stays, unless it was ``provisional``: written at once, before asking the other ranks' heartbeats
+    who is lost (which takes a second or two, and torchrun's agent kills a rank a few seconds after
+    telling it to stop); the next record replaces it, keeping its time."""
     path = out / FAILURES / f"rank-{_rank()}.json"
-    if _job() is None or path.exists():  # (a rank's first record says the most)
+    if _job() is None or (path.exists() and path not in _provisional):  # (a rank's first record says the most)
         return
-    record = {"rank": _rank(), "kind": kind, "message": message, "step": step, "time": time.time()}
+    now = _provisional.pop(path, time.time())
+    record = {"rank": _rank(), "kind": kind, "message": message, "step": step, "time": now}
     try:
         (out / FAILURES).mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda p: p.write_text(json.dumps(record) + "\n"))
     except Exception as exc:
         print(f"warning: could not record the failure in {str(out / FAILURES)!r}: {exc}", file=sys.stderr)
+        return
+    if provisional:
+        _provisional[path] = now

@@ -104,21 +104,29 @@ def train(cfg: TrainConfig, *, on_eval: OnEval | None = None) -> dict[str, Any]:
             raise
         except BaseException as exc:  # (under torchrun, for the restart to say; the first record of a rank stays)
             if not isinstance(exc, (SystemExit, ConfigError)):
-                record_failure(out, "lost", _why(exc))
+                _record(out, exc)
             raise
         finished(out)
         return result
 
 
-def _why(exc: BaseException) -> str:
+def _record(out: Path, exc: BaseException) -> None:
+    """Record why this rank failed: at once what it knows, then what the other ranks' heartbeats say."""
+    if not isinstance(exc, PipelineError):
+        record_failure(out, "lost", _why(exc, ask=False), provisional=True)
+    record_failure(out, "lost", _why(exc))
+
+
+def _why(exc: BaseException, ask: bool = True) -> str:
     """What a failure says about the job: a :class:`PipelineError` names the lost rank; another error is
-    told with the ranks the heartbeats find lost."""
+    told with the ranks the heartbeats find lost (``ask``: read them, a second or two)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, PipelineError):
         return text
-    lost = lost_ranks()
+    lost = lost_ranks() if ask else None
     if isinstance(exc, KeyboardInterrupt):  # (SIGTERM under torchrun: its agent stops a group whose worker failed)
-        return f"{lost or 'no rank is lost'} (rank {process_rank()} was stopped by {text or 'SIGINT'})"
+        stopped = f"rank {process_rank()} was stopped by {text or 'SIGINT'}"
+        return f"{lost or 'no rank is lost'} ({stopped})" if ask else stopped
     return f"{lost + ': ' if lost else ''}{type(exc).__name__}: {text}"
 
 
@@ -339,7 +347,7 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
         interrupts.restore()
         if bar is not None:
             bar.close()
-        record_failure(out, "lost", _why(exc))  # (before the save: with a rank lost it fails, or waits)
+        _record(out, exc)  # (before the save: with a rank lost it fails, or waits)
         checkpoints.save(done)
         checkpoints.finish()
         print(f"\ninterrupted: checkpoint of step {done} written to {out / 'checkpoints'}", file=sys.stderr)
