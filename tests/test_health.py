@@ -19,9 +19,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpipe import Pipeline, Selective
-from gpipe.health import Health, Recorder, blocks_of, mark_blocks
+from gpipe.health import Health, Recorder, blocks_of, global_grad_norm, grad_norms, mark_blocks
 from gpipe.models import amoebanet_d, transformer, transformer_lm
 from gpipe.train import TrainConfig, train
+from gpipe.train.guard import SpikeTracker, StepGuard
 
 ROWS, CHUNKS, WIDTH = 8, 4, 6
 
@@ -149,6 +150,21 @@ def test_equal_to_the_plain_model_by_hand(one: Health) -> None:
     assert one.blocks == (1, 6) and one.ratio == one.output_grads[1] / one.output_grads[6]
     metrics = one.metrics()
     assert list(metrics) == ["grad_norm", "grad_norm_ratio", *(f"output_grad/{i:03d}" for i in range(8))]
+
+
+def test_the_spike_guard_sees_the_health_norm_ties_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--skip-spikes' norm is global_grad_norm, the recorded grad_norm, the plain model's (the tie across
+    the cut once), with or without the per-parameter norms the loop has to clip."""
+    pipe = Pipeline(model(), [4, 4], chunks=CHUNKS, loss_fn=F.mse_loss, devices=["cpu"] * 2, cpu_threads=1)
+    with Recorder(pipe) as health:
+        loss = float(pipe.step(*batch()))
+    recorded = health.result().grad_norm
+    assert global_grad_norm(pipe) == recorded == global_grad_norm(pipe, grad_norms(pipe.parameters()))
+    assert recorded == pytest.approx(reference()[0], rel=1e-5)
+    seen: list[float] = []
+    monkeypatch.setattr(SpikeTracker, "outlier", lambda self, norm: seen.append(norm))
+    StepGuard(TrainConfig(skip_spikes=True), pipe).check(1, loss, lambda: None)
+    assert seen == [recorded]
 
 
 def test_the_norms_the_caller_has_are_used_and_blocks_fall_back() -> None:

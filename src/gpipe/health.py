@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
     from gpipe.runtime.stage import Stage
 
-__all__ = ["BLOCKS", "Health", "Recorder", "blocks_of", "grad_norms", "mark_blocks"]
+__all__ = ["BLOCKS", "Health", "Recorder", "blocks_of", "global_grad_norm", "grad_norms", "mark_blocks"]
 
 BLOCKS = "health_blocks"
 """The attribute of a model's ``nn.Sequential`` naming (first, last) block: :func:`mark_blocks`."""
@@ -174,6 +174,41 @@ def grad_norms(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, float
         held.append(p)
         whole.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return list(zip(held, to_floats(whole), strict=True))
+
+
+def global_grad_norm(pipe: Pipeline, norms: Sequence[tuple[Tensor, float]] | None = None) -> float:
+    """The norm of all of ``pipe``'s gradients, as :attr:`Health.grad_norm` (see the module's docstring:
+    ties once, data-parallel replicas and tensor-parallel ranks once, the same bits at any K), without
+    recording a step. ``norms``: every parameter's gradient norm when the caller has them (to clip).
+    Under torch.distributed a collective (one all-reduce): every rank calls it and gets the result."""
+    squares = _grad_squares(pipe, norms)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        vector = torch.tensor(squares, dtype=torch.float64, device=comm_device(pipe.devices[0]))
+        with collective("all-reduce of the gradient norm"):
+            dist.all_reduce(vector)
+        squares = vector.tolist()
+    return math.sqrt(math.fsum(squares))
+
+
+def _grad_squares(pipe: Pipeline, norms: Sequence[tuple[Tensor, float]] | None) -> list[float]:
+    """The squared gradient norm per global layer (all of them) of this process's stages, each tie
+    counted at its first member; zeros but on the first data-parallel replica's first tp rank."""
+    squares = [0.0] * sum(pipe.balance)
+    if pipe.dp_rank != 0 or pipe.engine.placement.replica % pipe.tensor_parallel != 0:
+        if norms is None:  # (every rank holding a shard of a sharded gradient reduces its norm alike)
+            grad_norms(pipe.parameters())
+        return squares
+    found = {id(p): n for p, n in (grad_norms(pipe.parameters()) if norms is None else norms)}
+    copies = {member for tie in pipe.engine.ties for member in tie.members[1:]}
+    for stage in pipe.engine.stages:
+        for j, layer in enumerate(stage.module):
+            terms = [
+                found[id(p)] ** 2  # (a float32 norm's square is exact in float64)
+                for name, p in layer.named_parameters()
+                if id(p) in found and (stage.first + j, name) not in copies
+            ]
+            squares[stage.first + j] = math.fsum(terms)
+    return squares
 
 
 def to_floats(tensors: Sequence[Tensor]) -> list[float]:
@@ -314,36 +349,13 @@ class Recorder:
             per_layer.setdefault(layer, []).append(v)
         return {layer: math.fsum(vs) for layer, vs in per_layer.items()}
 
-    def _grad_squares(self, norms: Sequence[tuple[Tensor, float]] | None) -> dict[int, float]:
-        """The squared gradient norm per global layer of this process's stages, each tie counted at
-        its first member."""
-        pipe = self.pipe
-        found = {id(p): n for p, n in (grad_norms(pipe.parameters()) if norms is None else norms)}
-        copies = {member for tie in pipe.engine.ties for member in tie.members[1:]}
-        squares = {}
-        for stage in pipe.engine.stages:
-            for j, layer in enumerate(stage.module):
-                index = stage.first + j
-                terms = [
-                    found[id(p)] ** 2  # (a float32 norm's square is exact in float64)
-                    for name, p in layer.named_parameters()
-                    if id(p) in found and (index, name) not in copies
-                ]
-                squares[index] = math.fsum(terms)
-        return squares
-
     def result(self, norms: Sequence[tuple[Tensor, float]] | None = None) -> Health:
         """The recorded step's :class:`Health`. ``norms``: every parameter's gradient norm, when the
         caller has them already (``gpipe.recipe.grad_norms``' to clip, before clipping); else they are
         computed here. Under torch.distributed a collective: every rank calls it and gets the result."""
         pipe, layers = self.pipe, self.layers
         replicas, replica = pipe.data_parallel, pipe.dp_rank
-        grads = [0.0] * layers
-        if replica == 0 and self._tp_rank == 0:  # (the other replicas' and tp ranks' are the same)
-            for index, square in self._grad_squares(norms).items():
-                grads[index] = square
-        elif norms is None:  # (every rank holding a shard of a sharded gradient reduces its norm alike)
-            grad_norms(pipe.parameters())
+        grads = _grad_squares(pipe, norms)
         outputs, seen = [0.0] * (replicas * layers), [0.0] * (replicas * layers)
         for index, square in self._output_squares().items():
             outputs[replica * layers + index] = square

@@ -12,10 +12,10 @@ does: a run never loops on a bad batch.
 
 ``--skip-spikes`` also skips a step whose gradient norm is an outlier, by Lingvo's rule: over 4
 standard deviations above the moving mean of its logarithm (moving averages with decay 0.995, norms
-below 0.01 counted as 0.01), once 20 steps were accepted. The norm is that of the gradients as the
-ranks hold them (a data-parallel replica's copy counted once; a tied or tensor-parallel-replicated
-weight once per copy). Its state travels in the checkpoints (``guard.json``), so that a resumed run
-skips the same steps."""
+below 0.01 counted as 0.01), once 20 steps were accepted. The norm is the training health's
+(:func:`gpipe.health.global_grad_norm`, the ``grad_norm`` of ``--health-every``: a tied weight, a
+data-parallel replica's copy and a tensor-parallel-replicated weight counted once). Its state
+travels in the checkpoints (``guard.json``), so that a resumed run skips the same steps."""
 
 from __future__ import annotations
 
@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from gpipe.health import to_floats
+from gpipe.health import global_grad_norm
 from gpipe.nonfinite import all_finite
 from gpipe.pipeline import Pipeline
 from gpipe.train.config import TrainConfig
@@ -87,28 +86,6 @@ class SpikeTracker:
         self.accepted = int(state["accepted"])
 
 
-def _grad_norm(pipe: Pipeline) -> float:
-    """The norm of the gradients the ranks hold (each replica's copy once), on every rank."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in pipe.parameters() if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    replicas = pipe.engine.comm.data_parallel if not pipe.fsdp else 1
-    squares = torch.zeros((), dtype=torch.float64)
-    for norm in to_floats([torch.linalg.vector_norm(g.float()) for g in local]):  # (read once per device)
-        squares += norm**2
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from gpipe.distributed.devices import comm_device
-        from gpipe.distributed.failure import collective
-
-        device = comm_device(pipe.devices[0])
-        total = squares.to(device)
-        with collective("all-reduce of the gradient norm (--skip-spikes)"):
-            dist.all_reduce(total)
-        squares = total.cpu() / replicas
-    return math.sqrt(float(squares))
-
-
 class StepGuard:
     """The checks of every step (see the module's docstring): :meth:`begin` before the step,
     :meth:`check` after it, before the update."""
@@ -139,14 +116,20 @@ class StepGuard:
                 b.copy_(before)
 
     def check(
-        self, step: int, loss: float, again: Callable[[], Any], norms: Sequence[float] | None = None
+        self,
+        step: int,
+        loss: float,
+        again: Callable[[], Any],
+        norms: Sequence[tuple[Tensor, float]] | None = None,
+        grad_norm: float | None = None,
     ) -> str | None:
         """After step ``step`` (mean loss ``loss``): None if its update goes ahead; else why it is
         skipped. ``again`` runs the step again, seeded as before, and returns :func:`locate`'s answer;
-        ``norms``: the gradients' norms if computed already (to clip them). Raises
+        ``norms``: every parameter and its gradient's norm if computed already (to clip them);
+        ``grad_norm``: the global norm if known (the training health's). Raises
         :class:`NonFiniteError` to stop."""
         why = None
-        if not all_finite(self.pipe, loss, norms=norms):
+        if not all_finite(self.pipe, loss, norms=None if norms is None else [n for _, n in norms]):
             where = again()
             self._restore()  # (the first run's running statistics, and the second's)
             why = (
@@ -157,7 +140,7 @@ class StepGuard:
             if self.cfg.on_nonfinite == "stop":
                 raise NonFiniteError(f"step {step}: {why}; --on-nonfinite skip would skip such steps", step)
         elif self.spikes is not None:
-            why = self.spikes.outlier(_grad_norm(self.pipe))
+            why = self.spikes.outlier(global_grad_norm(self.pipe, norms) if grad_norm is None else grad_norm)
             if why is not None:
                 self._restore()
         if why is None:

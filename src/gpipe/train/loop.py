@@ -258,7 +258,7 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
             norms = grad_norms(pipe.parameters()) if cfg.clip_norm or health else None
             report = health.result(norms) if health is not None else None
             # NaN or Inf: stops, or says why the update is skipped
-            skipped = guard.check(step, loss, again, None if norms is None else [n for _, n in norms])
+            skipped = guard.check(step, loss, again, norms, None if report is None else report.grad_norm)
             if norms is not None and skipped is None:
                 clip_grad_norm_per_parameter(pipe.parameters(), cfg.clip_norm, norms=norms)
             # From the update to the step's metrics line, Ctrl-C and SIGTERM wait: a checkpoint written
