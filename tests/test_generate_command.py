@@ -183,6 +183,7 @@ def test_runs_that_are_not_of_text_are_refused(tmp_path: Path, capsys: pytest.Ca
         folder = tmp_path / model
         folder.mkdir()
         (folder / "run.json").write_text(json.dumps({"config": {"model": model}, "data": data}))
+        (folder / "manifest.json").write_text("{}")  # (what makes a checkpoint folder complete)
         assert main(["generate", "--checkpoint", str(folder)]) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1, err

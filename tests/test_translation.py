@@ -254,6 +254,7 @@ def test_translate_says_what_a_run_it_cannot_read_is(
     checkpoint = tmp_path / "run"
     checkpoint.mkdir()
     (checkpoint / "run.json").write_text(json.dumps({"config": {"model": model}, "data": data}))
+    (checkpoint / "manifest.json").write_text("{}")  # (what makes a checkpoint folder complete)
     for name in files:
         (checkpoint / name).write_text("")
     assert main(["translate", "--checkpoint", str(checkpoint), "--to", "ya"]) == 2

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 import shutil
 import warnings
@@ -39,8 +38,9 @@ import torch
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 from gpipe.models.lora import LORA
+from gpipe.runfile import RUN, RunFileError, read_run
 from gpipe.saving import CheckpointError, load_module
-from gpipe.translate import RUN, find_checkpoint
+from gpipe.translate import find_checkpoint
 
 __all__ = ["export", "main"]
 
@@ -68,9 +68,12 @@ def _parser() -> ArgumentParser:
 def _run_model(folder: Path) -> str:
     """The ``--model`` of the run that wrote the checkpoint ``folder``."""
     try:
-        return str(json.loads((folder / RUN).read_text())["config"]["model"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"{str(folder / RUN)!r} is not a run description of gpipe train: {exc!r}") from None
+        model = read_run(folder)["config"].get("model")
+    except RunFileError as exc:
+        raise UsageError(str(exc)) from None
+    if not isinstance(model, str):
+        raise UsageError(f"{str(folder / RUN)!r} is not a run description of gpipe train: it names no 'model'")
+    return model
 
 
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
@@ -107,7 +110,7 @@ def _config(folder: Path) -> Any:
 
     file = folder / CONFIG
     if not file.is_file():
-        text = json.loads((folder / RUN).read_text()).get("data") == "TextLines"
+        text = read_run(folder).get("data") == "TextLines"
         fix = (
             "it read its text as words split at white space, which no tokenizer repeats: train it again"
             if text
@@ -186,7 +189,7 @@ def _export_lora(folder: Path, config: Any, target: Path, merge: bool) -> str:
     from gpipe.models import lora
     from gpipe.models.hf import export_dtype
 
-    settings = json.loads((folder / RUN).read_text())["config"]
+    settings = read_run(folder)["config"]
     base = str(Path(settings["init"]).resolve()) if settings.get("init") else None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.export-{os.getpid()}"

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop, selective
 from gpipe.distributed import init_from_env
+from gpipe.distributed.devices import comm_device
 from gpipe.distributed.tensor_parallel import TpPlan, check_plan
 from gpipe.engine import build
 from gpipe.microbatch import Share, batch_size, gather, scatter, scatter_pair
@@ -331,8 +332,7 @@ class Pipeline(nn.Module):
         if self.distributed:
             src = placement.rank_of(placement.num_stages - 1)
             group = getattr(self.engine.comm, "pp_group", None)
-            if dist.get_backend(group) == "nccl":
-                device = self.engine.devices[0]
+            device = comm_device(self.engine.devices[0], group)
         rows = input_ids.size(0) if isinstance(input_ids, Tensor) and input_ids.dim() else 1
         share = share_from(src, group, device)
         if groups is None:  # one per stage, fewer for fewer prompts, but never fewer than the placement needs

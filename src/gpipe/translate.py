@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -49,11 +48,12 @@ from gpipe.decode import decode_batches
 from gpipe.distributed import choose_devices, init_from_env
 from gpipe.evaluation import translation_chunk
 from gpipe.pipeline import Pipeline
-from gpipe.saving import CheckpointError, latest, load, write_atomically
+from gpipe.runfile import RunFileError, read_run
+from gpipe.saving import CheckpointError, find, load, write_atomically
 
 __all__ = ["Translator", "find_checkpoint", "main"]
 
-RUN, VOCAB = "run.json", "vocab.model"
+VOCAB = "vocab.model"
 _TAG = re.compile(r"^\s*<2([A-Za-z0-9_]+)>\s*")
 
 
@@ -61,13 +61,12 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint folder ``path`` names: itself (a ``step-*`` folder), the newest of a
     ``checkpoints`` folder, or the newest of a run's ``OUT/checkpoints``. Raises ``UsageError``."""
     root = Path(path)
-    if (root / RUN).is_file():
-        return root
-    for folder in (root, root / "checkpoints"):
-        with contextlib.suppress(CheckpointError):
-            found = latest(folder)
-            if found is not None:
-                return found
+    try:
+        found = find(root)
+    except CheckpointError as exc:
+        raise UsageError(f"--checkpoint {str(path)!r}: {exc}") from None
+    if found is not None:
+        return found
     if not root.exists():
         raise UsageError(f"--checkpoint {str(path)!r}: no such folder")
     raise UsageError(
@@ -138,10 +137,10 @@ class Translator:
 
         self.folder = find_checkpoint(checkpoint)
         try:
-            run = json.loads((self.folder / RUN).read_text())
-            settings, kind = dict(run["config"]), run["data"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"{str(self.folder / RUN)!r} is not a run description of gpipe train: {exc!r}") from None
+            run = read_run(self.folder)
+        except RunFileError as exc:
+            raise UsageError(str(exc)) from None
+        settings, kind = dict(run["config"]), run.get("data")
         why = _not_a_translation_run(str(checkpoint), self.folder, str(settings.get("model", "transformer")), str(kind))
         if why is not None:
             raise UsageError(why)

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe.decode.beams import Beams
+from gpipe.distributed.devices import comm_device
 from gpipe.generation.generate import share_from
 from gpipe.models.transformer import DecoderLayer, EncoderLayer, Output, SourceEmbedding, TargetEmbedding
 from gpipe.models.transparent import TransparentDecoderLayer, TransparentEncoderLayer, TransparentTargetEmbedding
@@ -202,7 +202,7 @@ def run(
     if isinstance(model, Pipeline) and model.distributed:
         placement = model.engine.placement
         group = getattr(model.engine.comm, "pp_group", None)
-        device = model.engine.devices[0] if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = comm_device(model.engine.devices[0], group)
         results = list(share_from(placement.rank_of(placement.num_stages - 1), group, device)(results))
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:

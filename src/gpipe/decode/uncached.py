@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gpipe.data import EOS, PAD
 from gpipe.decode.beams import Beams
+from gpipe.distributed.devices import comm_device
 from gpipe.pipeline import Pipeline
 
 __all__ = ["Model", "Steps", "beam_search", "greedy"]
@@ -38,9 +39,7 @@ class Steps:
             placement = model.engine.placement
             self.src = placement.rank_of(placement.num_stages - 1)
             self.group = getattr(model.engine.comm, "pp_group", None)
-            if dist.get_backend(self.group) == "nccl":
-                assert placement.rank is not None
-                self.comm_device = placement.devices[placement.rank]
+            self.comm_device = comm_device(model.engine.devices[0], self.group)
 
     @property
     def distributed(self) -> bool:

@@ -15,7 +15,6 @@ checkpoint, which keeps both; only data the run read in place (a text file, imag
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpipe import runfile
 from gpipe.commands.args import UsageError
 from gpipe.data import Dataset
 from gpipe.data.prepared import PreparedCorpus, is_prepared
@@ -30,6 +30,7 @@ from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models.hf import CONFIG
 from gpipe.models.transparent import transparent_weights
+from gpipe.runfile import RUN
 from gpipe.saving import CheckpointError, load
 from gpipe.train import ConfigError, TrainConfig
 from gpipe.train.data import CACHE
@@ -37,8 +38,6 @@ from gpipe.train.precision import autocast, check_supported
 from gpipe.train.setup import make_data, make_losses, make_model, make_pipeline
 
 __all__ = ["EvalSettings", "Evaluator", "read_run", "run_folder"]
-
-RUN = "run.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +68,12 @@ def read_run(checkpoint: Path) -> tuple[TrainConfig, str]:
     """The settings the run saved in ``checkpoint``'s ``run.json``, and the kind of its data."""
     path = checkpoint / RUN
     try:
-        run = json.loads(path.read_text())
-        settings, kind = dict(run["config"]), str(run["data"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"{str(path)!r} is not a run description of gpipe train: {exc!r}") from None
+        run = runfile.read_run(checkpoint)
+    except runfile.RunFileError as exc:
+        raise UsageError(str(exc)) from None
+    if not isinstance(run.get("data"), str):
+        raise UsageError(f"{str(path)!r} is not a run description of gpipe train: it does not say the kind of its data")
+    settings, kind = dict(run["config"]), run["data"]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         return TrainConfig(**{k: v for k, v in settings.items() if k in known}), kind

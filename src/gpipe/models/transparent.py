@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
 from gpipe.pipeline import Pipeline
 
@@ -220,7 +221,7 @@ def _shared(pipe: Pipeline, weights: Tensor | None) -> Tensor | None:
     """``weights``, known on the rank that holds them (``None`` elsewhere), on every rank of the
     pipeline: their shape, then their values, summed over the ranks (the others add zeros)."""
     group = getattr(pipe.engine.comm, "pp_group", None)
-    device = pipe.engine.devices[0] if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = comm_device(pipe.engine.devices[0], group)
     shape = torch.tensor(weights.shape if weights is not None else (0, 0), device=device)
     with collective("all-reduce of the transparent attention's weights' shape", group):
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)

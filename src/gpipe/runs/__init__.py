@@ -26,12 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
+from gpipe.runfile import WHERE_AND_HOW
 from gpipe.runs.folder import METRICS, Run, cell, duration, find_runs, read_run
 
 __all__ = ["Run", "columns", "find_runs", "main", "read_run", "table"]
 
-# Settings that say where and how a run ran, not what it trained: never a column
-_NOT_SETTINGS = ("out", "resume", "overwrite", "progress", "tensorboard", "timeout")
 _SORTS = ("run", "steps", "loss", "best", "time", "status")
 
 
@@ -39,7 +38,7 @@ def columns(runs: Sequence[Run]) -> list[str]:
     """The settings whose values differ between ``runs``, in TrainConfig's order."""
     names: list[str] = []
     for run in runs:
-        names += [k for k in run.settings if k not in names and k not in _NOT_SETTINGS]
+        names += [k for k in run.settings if k not in names and k not in WHERE_AND_HOW]
     return [k for k in names if len({repr(r.settings.get(k)) for r in runs}) > 1]
 
 

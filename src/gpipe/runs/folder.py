@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpipe import runfile
 from gpipe.saving import latest
 
 __all__ = [
@@ -132,9 +133,8 @@ def read_run(folder: Path) -> Run:
         warnings.simplefilter("ignore")
         checkpoint = latest(folder / "checkpoints")
     if checkpoint is not None:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            config = json.loads((checkpoint / "run.json").read_text())["config"]
-            run.settings = dict(config) if isinstance(config, dict) else {}
+        with contextlib.suppress(runfile.RunFileError):
+            run.settings = dict(runfile.read_run(checkpoint)["config"])
     rows = metrics_rows(folder)
     if rows:
         last = rows[-1]

@@ -55,7 +55,9 @@ The next save into the directory removes what a killed save left behind (tempora
 folders); loading never changes the directory, so it is safe while another process saves. Old
 checkpoints go only when asked: :func:`prune` deletes the complete ones but the newest N, never the
 one ``latest`` names nor a folder a save is still writing (``gpipe train --keep N``); :func:`complete`
-lists the complete ones, newest first.
+lists the complete ones, newest first; :func:`find` is the one a path names (a checkpoint folder, a
+folder of them, or a run's folder holding ``checkpoints``: what the commands' ``--checkpoint`` and
+``--init`` take).
 
 Asynchronous saves. ``save(..., asynchronous=True)`` copies this rank's entries into CPU memory (so
 that training may change the weights and the optimizer state at once: the checkpoint holds them as
@@ -103,7 +105,7 @@ front ends), never the applications (train, data, models, ...).
 
 from gpipe.saving.asynchronous import AsyncSave
 from gpipe.saving.checksums import verify
-from gpipe.saving.folders import CheckpointError, NoSpaceError, complete, latest, prune, write_atomically
+from gpipe.saving.folders import CheckpointError, NoSpaceError, complete, find, latest, prune, write_atomically
 from gpipe.saving.keys import layer_state
 from gpipe.saving.loader import load
 from gpipe.saving.module import load_module
@@ -114,6 +116,7 @@ __all__ = [
     "CheckpointError",
     "NoSpaceError",
     "complete",
+    "find",
     "latest",
     "layer_state",
     "load",

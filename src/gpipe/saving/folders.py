@@ -35,6 +35,7 @@ __all__ = [
     "_remove",
     "_write_error",
     "complete",
+    "find",
     "latest",
     "prune",
     "write_atomically",
@@ -303,6 +304,20 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     if _complete(aside):
         return aside
     return _newest_complete(root, f"{pointer} names {name}, which is {'incomplete' if target.exists() else 'missing'}")
+
+
+def find(path: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``path`` names: itself (a complete checkpoint folder), the newest of a run's
+    ``checkpoints`` folder, or the newest of a folder of checkpoints (:func:`latest`); None where it
+    holds none. Raises :class:`CheckpointError` where one there is unreadable (a damaged ``latest``)."""
+    root = Path(path)
+    if _complete(root):
+        return root
+    for folder in (root / "checkpoints", root):
+        found = latest(folder) if folder.is_dir() else None
+        if found is not None:
+            return found
+    return None
 
 
 def complete(directory: str | os.PathLike[str]) -> list[Path]:

@@ -25,13 +25,13 @@ from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf, lora
 from gpipe.pipeline import Pipeline
+from gpipe.runfile import RUN
 from gpipe.saving import AsyncSave, CheckpointError, complete, latest, load, prune, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.setup import hf_config, process_rank
 
 __all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
 
-RUN = "run.json"  # in every checkpoint: the settings and what the model was sized from
 SCHEDULER = "scheduler.json"  # in every checkpoint: the learning-rate schedule's state
 _STEP = re.compile(r"step-(\d{8,})")
 

@@ -18,12 +18,12 @@ A resumed run has its own weights: ``--init`` with ``--resume`` is refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from gpipe.models import pretrained
-from gpipe.saving import CheckpointError, latest
+from gpipe.runfile import RunFileError, read_run
+from gpipe.saving import CheckpointError, find, latest
 from gpipe.train.checks import ConfigError, flag
 
 __all__ = [
@@ -61,15 +61,12 @@ def init_source(path: str) -> tuple[str, Path]:
         )
     if pretrained.is_pretrained(given):
         return PRETRAINED, given
-    if (given / "manifest.json").is_file():
-        return RUN, given
-    for root in (given / "checkpoints", given):
-        try:
-            found = latest(root) if root.is_dir() else None
-        except CheckpointError as exc:
-            raise ConfigError(f"--init {path!r}: {exc}") from None
-        if found is not None:
-            return RUN, found
+    try:
+        found = find(given)
+    except CheckpointError as exc:
+        raise ConfigError(f"--init {path!r}: {exc}") from None
+    if found is not None:
+        return RUN, found
     raise ConfigError(
         f"--init {path!r} holds neither a model save_pretrained wrote (config.json with model.safetensors) nor a "
         "checkpoint of gpipe train (a run's --out, its checkpoints folder, or a step-* folder)"
@@ -80,13 +77,9 @@ def _run(checkpoint: Path) -> dict[str, Any]:
     """The ``run.json`` of ``checkpoint``: the settings its run saved (``config``), and what its model
     was sized from (``vocab``, ...)."""
     try:
-        run = json.loads((checkpoint / "run.json").read_text())
-        if not isinstance(run, dict) or not isinstance(run["config"], dict):
-            raise TypeError("it holds no object of settings under 'config'")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        where = str(checkpoint / "run.json")
-        raise ConfigError(f"--init: cannot read the run's settings from {where!r}: {exc}") from None
-    return run
+        return read_run(checkpoint)
+    except RunFileError as exc:
+        raise ConfigError(f"--init: {exc}") from None
 
 
 def _saved(checkpoint: Path) -> dict[str, Any]:

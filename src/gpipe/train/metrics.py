@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.evaluation import resource_groups
+from gpipe.runfile import WHERE_AND_HOW
 from gpipe.train.config import TrainConfig, has_tensorboard
 from gpipe.train.setup import process_rank
 
@@ -36,7 +37,6 @@ HPARAM_METRICS = {
     "amoebanet": ("loss", "eval_loss", "eval_accuracy"),
     "hf": ("loss", "eval_loss", "eval_perplexity"),
 }
-_NOT_HPARAMS = ("out", "resume", "overwrite", "progress", "tensorboard")  # where and how, not what is trained
 
 
 def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
@@ -52,7 +52,7 @@ def tensorboard_writer(cfg: TrainConfig, out: Path, start: int) -> Any:
     from torch.utils.tensorboard.summary import hparams
 
     writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start if start > 1 else None)
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_HPARAMS}
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in WHERE_AND_HOW}
     metrics = dict.fromkeys(HPARAM_METRICS[cfg.model], 0.0)
     experiment, start_info, _ = hparams(settings, metrics)  # type: ignore[no-untyped-call]
     for summary in (experiment, start_info):

@@ -12,13 +12,13 @@ invocation's (as ``--out``): a run resumes on other hardware with ``auto``, or t
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from gpipe.runfile import RUN, RunFileError, read_run
 from gpipe.saving import verify
 from gpipe.train.checks import flag, typed
 from gpipe.train.config import ConfigError, TrainConfig, checkpoint_to_resume, newest_checkpoint
@@ -35,7 +35,6 @@ __all__ = [
     "saved_settings",
 ]
 
-RUN = "run.json"
 
 # Settings a resumed run cannot change, and what they fix: its checkpoint holds that model (and that
 # optimizer's state), and its steps so far were drawn from that data.
@@ -112,14 +111,9 @@ def saved_settings(checkpoint: Path) -> dict[str, Any]:
     :data:`FIXED` it has not: the default)."""
     path = checkpoint / RUN
     try:
-        config = json.loads(path.read_text())["config"]
-        if not isinstance(config, dict):
-            raise ValueError(f"its 'config' is a {type(config).__name__}, not an object of settings")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"--resume: cannot read the run's settings from {str(path)!r} ({exc}); restore the file, or start "
-            "afresh with another --out"
-        ) from None
+        config = read_run(checkpoint)["config"]
+    except RunFileError as exc:
+        raise ConfigError(f"--resume: {exc}; restore the file, or start afresh with another --out") from None
     kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
     # A setting of the model newer than the run (--transparent) is the default, what the run had without it:
     # --resume then names it if it is given otherwise.
