@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench docs gpu-check gpu-check-multi clean
+.PHONY: demo test lint typecheck pytest bench docs gpu-check gpu-check-multi wheel-check clean
 
 # torch is pinned to 2.13.0 by constraints.txt: an open range would pull gigabytes of CUDA packages. The
 # dev extra is the hf and tensorboard extras and the tools (README: installing with pip alone).
@@ -54,6 +54,12 @@ gpu-check: $(if $(GPU_PYTHON),,$(STAMP))
 # The same for the checks that need two GPUs or more (pytest -m cuda_multi): report-multi.md.
 gpu-check-multi: $(if $(GPU_PYTHON),,$(STAMP))
 	$(GPU_RUN) benchmarks/gpu_check.py --multi
+
+# The package as a user installs it: python -m build, a fresh venv with torch (pinned) and the wheel, then
+# gpipe schedule, gpipe train --config t2-256-4 and gpipe demo in an empty folder (the distribution is
+# gpipe-pytorch: "gpipe" in the package index is another project); benchmarks/results/wheel/report.md.
+wheel-check: $(STAMP)
+	$(BIN)/python benchmarks/wheel_check.py
 
 # The documentation site (Sphinx and MyST, docs/README.md) into docs/_build/html, strictly: a warning, a broken
 # cross-reference or a dead internal link fails it (and tests/test_docs.py builds it too). Only changed pages

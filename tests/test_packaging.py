@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
 
 import gpipe
@@ -98,3 +102,45 @@ def test_the_readme_main_job_runs_on_the_dependencies_alone(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, f"without {absent}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
     assert (out / "vocab.model").is_file() and "BLEU" in done.stdout
+
+
+def test_the_wheel_is_gpipe_pytorch_and_runs_without_the_checkout(tmp_path: Path) -> None:
+    """The distribution ``gpipe-pytorch`` (``gpipe`` in the package index is another project), built
+    from a copy of the package's files (``pip wheel``), installed into a bare venv that borrows this
+    one's dependencies (one ``.pth`` line: the .pth files there, this checkout's editable install among
+    them, are not read), and run from an empty folder: ``gpipe schedule`` and ``gpipe train --config
+    t2-256-4``, package data. (``make wheel-check``: python -m build, a venv of its own, gpipe demo.)"""
+    assert PROJECT["name"] == "gpipe-pytorch"
+    source, dist, venv, empty = tmp_path / "source", tmp_path / "dist", tmp_path / "venv", tmp_path / "empty"
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(source)], check=True,
+                   timeout=300, capture_output=True)  # fmt: skip
+    (wheel,) = dist.glob("*.whl")
+    assert wheel.name.startswith("gpipe_pytorch-")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    shipped = {f"gpipe/{p.relative_to(PACKAGE)}" for p in PACKAGE.glob("configs/**/*") if p.is_file()}
+    assert shipped and shipped <= names and "gpipe/py.typed" in names
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    here = sysconfig.get_paths()["purelib"]
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    there = subprocess.run([str(venv / "bin/python"), "-c", where], check=True, capture_output=True, text=True,
+                           timeout=60).stdout.strip()  # fmt: skip
+    Path(there, "borrowed.pth").write_text(here + "\n")
+    subprocess.run([*pip, "--python", str(venv / "bin/python"), "install", "--no-deps", str(wheel)], check=True,
+                   timeout=300, capture_output=True)  # fmt: skip
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    found = subprocess.run([str(venv / "bin/python"), "-c", "import gpipe; print(gpipe.__file__)"], cwd=empty,
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert found.stdout.startswith(there), found.stdout + found.stderr  # (the wheel's, never the checkout's)
+    for argv in (["schedule"], ["train", "--config", "t2-256-4", "--steps", "2", "--no-progress", "--out", "t2"]):
+        done = subprocess.run([str(venv / "bin/gpipe"), *argv], cwd=empty, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, f"gpipe {' '.join(argv)}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    assert "BLEU" in done.stdout and (empty / "t2" / "checkpoints").is_dir()

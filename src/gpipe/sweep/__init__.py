@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if importlib.util.find_spec("optuna") is None:
-            raise UsageError("gpipe sweep needs Optuna: pip install 'gpipe[sweep]' (or make, which installs it)")
+            raise UsageError("gpipe sweep needs Optuna: pip install 'gpipe-pytorch[sweep]' (or make: it does)")
         space = read_space(args.space, args.out)
         return Sweep(space, settings(args, space), Path(args.out)).run()
     except (UsageError, CheckpointError) as exc:
