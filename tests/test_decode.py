@@ -107,6 +107,21 @@ def test_cached_decoding_chooses_the_uncached_tokens(k: int, seed: int) -> None:
     assert pipe.last_decode is not None and pipe.last_decode.steps > 0
 
 
+@pytest.mark.parametrize("beam", [1, 4, 5])
+def test_pad_is_never_chosen_so_cached_and_uncached_agree_for_every_seed(beam: int) -> None:
+    """Plain T(3) models, whose random logits make PAD likely enough: a hypothesis holding PAD would be
+    masked as padding when the uncached decoding runs the prefix again, and kept by the cached one."""
+    for seed in range(20):
+        torch.manual_seed(seed)
+        model = transformer(3, 32, 2, dim=16, vocab=VOCAB, max_len=16, dropout=0.0).eval()
+        source, start = data(seed, batch=4)
+        got = beam_search(model, source, start, beam=beam, max_len=8)
+        expected = beam_search(model, source, start, beam=beam, max_len=8, cache=False)
+        assert torch.equal(got, expected), (seed, got, expected)
+        for row in got.tolist():  # PAD only after eos
+            assert PAD not in row[: row.index(EOS) if EOS in row else len(row)], (seed, row)
+
+
 def test_an_inference_pipeline_needs_no_loss_and_refuses_to_train() -> None:
     pipe = pipeline_of(model_of(0), 2)  # built without loss_fn
     source, start = data(0)

@@ -1,14 +1,26 @@
 """The state of a beam search, shared by the cached and the uncached decoding: per sentence the
-alive hypotheses and the best finished one (GNMT's length penalty)."""
+alive hypotheses and the best finished one (GNMT's length penalty); and the log-probabilities both
+decodings choose from (:func:`log_probs`: PAD never chosen)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
-__all__ = ["Beams", "penalty"]
+__all__ = ["Beams", "log_probs", "penalty"]
+
+
+def log_probs(logits: Tensor, pad: int) -> Tensor:
+    """The float32 log-softmax of ``logits`` (N, V), PAD's set to -inf after it, as fairseq does: no
+    hypothesis ever holds PAD. (One that did would differ between the decodings: the uncached one
+    runs the whole prefix again, where the decoder masks PAD as padding; the cached one keeps its keys.)"""
+    out = F.log_softmax(logits.to(torch.float32), dim=-1)
+    if 0 <= pad < out.size(-1):
+        out[..., pad] = -math.inf
+    return out
 
 
 def penalty(length: int, alpha: float) -> float:

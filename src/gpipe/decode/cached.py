@@ -9,8 +9,8 @@ and every later step sends one new token per row through the stages. Sentences t
 their group's rows (and the stages' caches) at once.
 
 The choices are the uncached decoding's (:mod:`gpipe.decode.uncached`) step for step: the same
-log-probabilities (float32 log-softmax of the last position's logits), the same argmax, the same
-:class:`~gpipe.decode.beams.Beams`.
+log-probabilities (:func:`~gpipe.decode.beams.log_probs`: the float32 log-softmax of the last
+position's logits, PAD never chosen), the same argmax, the same :class:`~gpipe.decode.beams.Beams`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe.decode.beams import Beams
+from gpipe.decode.beams import log_probs as next_log_probs
 from gpipe.distributed.devices import comm_device
 from gpipe.generation.generate import share_from
 from gpipe.models.transformer import DecoderLayer, EncoderLayer, Output, SourceEmbedding, TargetEmbedding
@@ -154,7 +154,7 @@ class _Feed:
         if not isinstance(output, Tensor) or output.dim() != 3:
             shape = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
             raise ValueError(f"the model must return logits (N, T, vocab) (got: {shape})")
-        log_probs = F.log_softmax(output[:, -1].to(torch.float32), dim=-1)
+        log_probs = next_log_probs(output[:, -1], self.pad)
         state = self.states.get(group)
         if state is None:
             chunk = self.chunks[self.chunk_of[group]]

@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
 from gpipe.data import EOS, PAD
-from gpipe.decode.beams import Beams
+from gpipe.decode.beams import Beams, log_probs
 from gpipe.distributed.devices import comm_device
 from gpipe.pipeline import Pipeline
 
@@ -29,8 +28,8 @@ Model = Callable[[tuple[Tensor, Tensor]], Any]
 class Steps:
     """Runs the model on a prefix and shares what the last stage's rank decides with every rank."""
 
-    def __init__(self, model: Model, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: Model, device: torch.device, pad: int) -> None:
+        self.model, self.device, self.pad = model, device, pad
         self.group: Any = None
         self.src: int | None = None  # the last stage's global rank, under torch.distributed
         self.comm_device = torch.device("cpu")
@@ -59,7 +58,7 @@ class Steps:
             raise ValueError(
                 f"the model must return logits (N, T, vocab) for a target_in of {tuple(prefix.shape)} (got: {shape})"
             )
-        return F.log_softmax(logits[:, -1].to(self.device, torch.float32), dim=-1)
+        return log_probs(logits[:, -1].to(self.device), self.pad)
 
     def share(self, value: Tensor | None, shape: tuple[int, ...]) -> Tensor:
         """``value`` (a long tensor of ``shape``, known on the last stage's rank) on every rank."""
@@ -81,7 +80,7 @@ def greedy(model: Model, source: Tensor, start: Tensor, *, max_len: int, eos: in
     tokens up to its ``eos``, then ``pad``.
     """
     device = source.device
-    steps = Steps(model, device)
+    steps = Steps(model, device, pad)
     batch = source.size(0)
     prefix = start.to(device, torch.long).unsqueeze(1)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -121,7 +120,7 @@ def beam_search(
     ids without the start token, padded with ``pad`` after ``eos``.
     """
     device = source.device
-    steps = Steps(model, device)
+    steps = Steps(model, device, pad)
     batch = source.size(0)
     sources = source.repeat_interleave(beam, dim=0)
     prefix = start.to(device, torch.long).repeat_interleave(beam).unsqueeze(1)
