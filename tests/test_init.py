@@ -196,6 +196,8 @@ def _broken(folders: dict[str, Path], tmp_path: Path, how: str) -> Path:
         config = json.loads((folder / "config.json").read_text())
         config |= {"model_type": "my-own-llama", "auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}
         (folder / "config.json").write_text(json.dumps(config))
+    elif how == "json":
+        (folder / "config.json").write_text('{"model_type": "llama",')
     elif how == "other":
         shutil.copyfile(folders["gpt2"] / "config.json", folder / "config.json")
     elif how == "bin":
@@ -213,7 +215,8 @@ def _broken(folders: dict[str, Path], tmp_path: Path, how: str) -> Path:
         ("shard", [], "names the shard 'model-0000"),
         ("index", [], "names the shard 'model-99999-of-99999.safetensors', which is not in"),
         ("shape", [], "holds 'model.norm.weight' of shape [7], the model's 'model.norm.weight' is [32]"),
-        ("remote", [], "cannot read --hf-config"),
+        ("remote", [], "cannot read the config.json of --init '{folder}' as a transformers config"),
+        ("json", [], "cannot read the config.json of --init '{folder}' as a transformers config"),
         ("other", [], "lacks"),
         ("bin", [], "holds pytorch_model.bin weights, which gpipe does not read"),
         ("tokenizer", [], "brings no tokenizer (tokenizer.json, tokenizer.model)"),
@@ -251,7 +254,8 @@ def test_bad_pretrained_folders_and_flags_are_refused_before_training(
         argv.remove("--model")
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err, err
+    assert message.format(folder=folder) in err, err
+    assert "--hf-config" in flags or "--hf-config" not in err, err  # (the flags the user gave, only)
     assert len(err.strip().splitlines()) == 1, err
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()  # nothing trained
 

@@ -166,6 +166,11 @@ def test_the_command_and_its_refusals(
     assert "is prepared data already" in capsys.readouterr().err
     assert main(["prepare", "--data", str(corpus["raw"]), "--out", str(tmp_path / "q"), "--workers", "0"]) == 2
     assert "--workers must be positive" in capsys.readouterr().err
+    (tmp_path / "notsp.model").write_text("not a model\n")
+    vocab = str(tmp_path / "notsp.model")
+    assert main(["prepare", "--data", str(corpus["raw"]), "--out", str(tmp_path / "q"), "--vocab", vocab]) == 2
+    err = capsys.readouterr().err  # (the user's file, never the copy the workers read)
+    assert err.startswith(f"error: --vocab {vocab!r} is not a SentencePiece model") and err.count("\n") == 1, err
 
 
 def test_an_interrupted_prepare_leaves_the_old_folder(corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,8 +233,11 @@ def test_training_on_prepared_data_is_training_on_the_folder(
     assert all(0 <= r["padding"] < 0.5 and 0 < r["tokens"] <= 512 for r in rows)
     data, cfg = PreparedCorpus(corpus["prepared"], length=32), quick(tmp_path, corpus["prepared"], **tokens)
     assert all(len(train_batch(data, cfg, 0, step).source) % 8 == 0 for step in range(20))
-    with pytest.raises(ValueError, match="--batch-tokens 100 makes batches of multiples of 8 sentences, 8 of"):
-        quick(tmp_path / "small", corpus["prepared"], batch_tokens=100, max_length=32, chunks=16).check()
+    with pytest.raises(ValueError, match="--batch-tokens 300 makes batches of multiples of 8 sentences, 8 of"):
+        quick(tmp_path / "small", corpus["prepared"], batch_tokens=300, max_length=32, chunks=16).check()
+    with pytest.raises(ValueError, match=r"--batch-tokens 3 is below 256 tokens, the smallest batch of the longest "
+                                         r"sentences \(8 of --max-length 32 tokens"):  # fmt: skip
+        quick(tmp_path / "small", corpus["prepared"], batch_tokens=3, max_length=32).check()
     with pytest.raises(ValueError, match="is prepared data, with its own vocabulary"):
         quick(tmp_path / "v", corpus["prepared"], vocab=str(corpus["vocab"])).check()
 

@@ -230,6 +230,11 @@ def prepare(
     check_eval(root, given, pairs)
     if vocab is not None and not Path(vocab).is_file():
         raise ValueError(f"--vocab {str(vocab)!r}: no such file; give a SentencePiece .model, or leave --vocab out")
+    if vocab is not None:
+        try:
+            Vocab(vocab)  # (read here, as given: the copy the workers read is named nowhere)
+        except ValueError as exc:
+            raise ValueError(f"--vocab {exc}; give a SentencePiece .model, or leave --vocab out") from None
 
     def build(pool: concurrent.futures.Executor, scratch: Path) -> dict[str, Any]:
         return _prepare(pool, root, pairs, given, scratch, vocab=vocab, vocab_size=vocab_size, temperature=temperature,

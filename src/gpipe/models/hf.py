@@ -47,10 +47,12 @@ DEFAULT = {"n_layer": 4, "n_embd": 128, "n_head": 4}
 """The built-in GPT-2's size; its vocabulary and positions are the data's."""
 
 
-def load_config(path: str) -> Any:
+def load_config(path: str, given: str | None = None) -> Any:
     """The transformers config of ``path`` (a ``config.json``, or a folder holding one), from local
-    files only; a :class:`ValueError` naming the file unless it is a causal LM's."""
+    files only; a :class:`ValueError` naming the file unless it is a causal LM's. ``given``: how the
+    user named the file, for the messages (default ``--hf-config 'PATH'``)."""
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    name = given if given is not None else f"--hf-config {str(file)!r}"
     if not file.is_file():
         raise ValueError(
             f"--hf-config {path!r}: no such file (give a config.json, e.g. one written by "
@@ -63,10 +65,10 @@ def load_config(path: str) -> Any:
         config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         detail = " ".join(str(exc).split())
-        raise ValueError(f"cannot read --hf-config {str(file)!r} as a transformers config: {detail}") from None
+        raise ValueError(f"cannot read {name} as a transformers config: {detail}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
-            f"--hf-config {str(file)!r} is a {config.model_type!r} config, which is not a causal language "
+            f"{name} is a {config.model_type!r} config, which is not a causal language "
             "model (transformers' AutoModelForCausalLM has no class for it); give a decoder's config "
             "such as gpt2, llama or qwen2"
         )

@@ -106,8 +106,9 @@ data-parallel replicas (:mod:`gpipe.train.data`)."""
 
 def data_flags_error(cfg: Any) -> str | None:
     """What is wrong with the data flags of ``cfg`` (a ``TrainConfig``) together, if anything:
-    ``--batch-tokens`` and ``--workers`` (0 or more), ``--batch-tokens`` only on language pairs, its
-    longest bucket's batch holding a row for each micro-batch of each replica, ``--augment`` only on
+    ``--batch-tokens`` and ``--workers`` (0 or more), ``--batch-tokens`` only on language pairs, at least
+    one batch of the longest sentences (:data:`ROWS` of ``--max-length``), that batch holding a row for
+    each micro-batch of each replica, ``--augment`` only on
     image files."""
     if cfg.batch_tokens < 0 or cfg.workers < 0:
         name = "batch_tokens" if cfg.batch_tokens < 0 else "workers"
@@ -117,7 +118,13 @@ def data_flags_error(cfg: Any) -> str | None:
             f"--batch-tokens {cfg.batch_tokens} batches the sentences of --data FOLDER or PREPARED by length for the "
             f"transformer (model: {cfg.model!r}, data: {cfg.data!r}); give such --data, or use --batch"
         )
-    rows = max(cfg.batch_tokens // cfg.max_length // ROWS, 1) * ROWS  # (the longest bucket's)
+    if cfg.batch_tokens and cfg.batch_tokens < ROWS * cfg.max_length:  # (else its batches would hold more)
+        return (
+            f"--batch-tokens {cfg.batch_tokens} is below {ROWS * cfg.max_length} tokens, the smallest batch of the "
+            f"longest sentences ({ROWS} of --max-length {cfg.max_length} tokens: batches are multiples of {ROWS} "
+            f"rows); give --batch-tokens {ROWS * cfg.max_length} or more, or a smaller --max-length"
+        )
+    rows = cfg.batch_tokens // cfg.max_length // ROWS * ROWS  # (the longest bucket's)
     if cfg.batch_tokens and (ROWS % cfg.data_parallel or rows < cfg.chunks * cfg.data_parallel):
         return (
             f"--batch-tokens {cfg.batch_tokens} makes batches of multiples of {ROWS} sentences, {rows} of the longest "

@@ -447,8 +447,9 @@ class TrainConfig:
         path = hf_config_path(self)
         if not path:
             return None
+        given = None if self.hf_config else f"the config.json of --init {self.init!r}"
         try:
-            return hf.load_config(path)
+            return hf.load_config(path, given)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
