@@ -73,6 +73,7 @@ def test_eval_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, capsys: pyte
         "exceeds the model's": ["--checkpoint", str(run), "--partitions", "99", "--out", str(tmp_path / "o")],
         "--step is for --checkpoint": ["--watch", str(run), "--step", "2"],
         "--all is for --watch": ["--checkpoint", str(run), "--all"],
+        "--wait-for-resume is for --watch": ["--checkpoint", str(run), "--wait-for-resume"],
         "--poll must be a positive number": ["--watch", str(run), "--poll", "0"],
         "no such folder": ["--checkpoint", str(tmp_path / "none")],
     }
@@ -133,3 +134,40 @@ def test_a_watcher_started_before_the_run_evaluates_each_checkpoint_once_across_
         assert first.count(said) + second.count(said) <= 1, (first, second)
     assert "step 10: eval loss" in first and "step 30: eval loss" in second
     assert "the run's last step, 30, is evaluated; stopping" in second
+
+
+def test_a_watcher_of_a_run_killed_for_good_stops_and_one_waiting_for_its_resume_sees_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run killed (SIGKILL) after its first checkpoints: the watcher evaluates what it left, says that
+    it is not running and stops; with --wait-for-resume it waits, and follows the run once resumed."""
+    from gpipe.saving import complete
+
+    run = tmp_path / "run"
+    trainer = _gpipe("train", "--out", str(run), "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "0",
+                     "--no-progress", "--tensorboard", "off", log=tmp_path / "train.log")  # fmt: skip
+    waiting = None
+    try:
+        _wait_for(lambda: bool(complete(run / "checkpoints")), 120, "the first checkpoint")
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        newest = int(complete(run / "checkpoints")[0].name.removeprefix("step-"))
+        waiting = _gpipe("eval", "--watch", str(run), "--wait-for-resume", "--poll", "1", "--out",
+                         str(tmp_path / "waited"), log=tmp_path / "waiting.log")  # fmt: skip
+        capsys.readouterr()
+        assert main(["eval", "--watch", str(run), "--out", str(tmp_path / "dead")]) == 0
+        err = capsys.readouterr().err
+        assert f"the run in {run} is not running" in err and f"checkpoint is of step {newest} of 100000" in err, err
+        assert sorted(rows(tmp_path / "dead" / "metrics.jsonl")) == [newest]
+        assert waiting.poll() is None  # (still waiting for the resume)
+        argv = ["train", "--out", str(run), "--resume", "--steps", str(newest + 2), "--no-progress"]
+        assert main(argv) == 0
+        assert waiting.wait(timeout=120) == 0, (tmp_path / "waiting.log").read_text()[-3000:]
+    finally:
+        for process in (trainer, waiting):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    said = (tmp_path / "waiting.log").read_text()
+    assert f"the run's last step, {newest + 2}, is evaluated; stopping" in said and "not running" not in said, said
+    assert max(rows(tmp_path / "waited" / "metrics.jsonl")) == newest + 2

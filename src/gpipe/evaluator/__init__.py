@@ -5,6 +5,7 @@
     gpipe eval --checkpoint runs/mt --partitions 4 --out runs/mt/eval-k4
     gpipe eval --watch runs/mt                           # beside the training: each new checkpoint once
     gpipe eval --watch runs/mt --all                     # every checkpoint, none passed over
+    gpipe eval --watch runs/mt --wait-for-resume         # a run killed: wait for its resume
     gpipe eval --checkpoint runs/mt --devices cpu       # on the CPU, whatever the run trained on
     torchrun --nproc-per-node 2 -m gpipe eval --checkpoint runs/mt --partitions 2
 
@@ -24,8 +25,9 @@ settings its rows share. A step evaluated there already is refused unless ``--ov
 ``--watch RUN`` is the evaluation job of the paper's team (training, evaluation and inference as
 three jobs): it waits for the run to start, evaluates each complete checkpoint once (the newest first
 when it falls behind; ``--all``: every one, oldest first), and stops by itself once the run's last
-step is evaluated. Started again, it skips what ``metrics.jsonl`` lists. A run trained with
-``--eval-every 0`` then never pauses to decode.
+step is evaluated, or once the run is not running and every checkpoint it left is (``--wait-for-resume``:
+not then). Started again, it skips what ``metrics.jsonl`` lists. A run trained with ``--eval-every 0``
+then never pauses to decode.
 """
 
 # An application: imports the library, gpipe.train (the run's settings, data, model and pipeline), gpipe.evaluation
@@ -68,6 +70,12 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--step", type=int, help="with --checkpoint RUN: the checkpoint of this step")
     parser.add_argument("--all", action="store_true", help="with --watch: every checkpoint, none passed over")
     parser.add_argument(
+        "--wait-for-resume",
+        action="store_true",
+        help="with --watch: keep watching a run that is not running (killed, or stopped and not resumed) for it "
+        "to be resumed, until its last step is evaluated (default: stop once its checkpoints are evaluated)",
+    )
+    parser.add_argument(
         "--poll", type=float, default=10.0, metavar="SECONDS",
         help="with --watch: the longest wait between looks for a new checkpoint (default: 10)",
     )  # fmt: skip
@@ -98,6 +106,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--step is for --checkpoint; --watch evaluates every new checkpoint")
     if args.all and not args.watch:
         raise UsageError("--all is for --watch")
+    if args.wait_for_resume and not args.watch:
+        raise UsageError("--wait-for-resume is for --watch")
     for name in ("step", "partitions", "beam", "batch", "eval_batches"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -184,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--watch {args.watch!r} is a file; give a run's --out folder")
             job = _Job(args, run)
             try:
-                return 0 if watch(run, job.out, job, every=args.all, poll=args.poll, quiet=args.quiet) else 1
+                done = watch(run, job.out, job, every=args.all, poll=args.poll, quiet=args.quiet,
+                             resume=args.wait_for_resume)  # fmt: skip
+                return 0 if done else 1
             finally:
                 job.close()
         folder = _checkpoint(args.checkpoint, args.step)

@@ -5,6 +5,13 @@ complete checkpoint once, the newest first when it falls behind (the older ones 
 newest checkpoint's ``run.json``) is evaluated. Between looks it waits 1 s, doubling up to ``--poll``
 while nothing is new. What it has done is what its results folder lists (``metrics.jsonl``): started
 again, it goes on where it stopped. Under torchrun rank 0 looks and says what every rank does next.
+
+A run that stopped for good (killed, crashed, interrupted and not resumed) ends the watch too: once
+every checkpoint it left is evaluated and no live process holds the run (:func:`gpipe.runfile.running`:
+the PID and host in ``RUN/.lock``), the watcher says so and stops. A torchrun job that did not finish
+(its ``.job.json`` is there) may be restarted by its agent: the watcher gives it :data:`RESTART_GRACE`
+seconds to come back first. A trainer on another host cannot be seen from here: the watch goes on, and
+says why. ``--wait-for-resume`` keeps watching a run that is not running, for a resume to come.
 """
 
 from __future__ import annotations
@@ -19,9 +26,15 @@ import torch.distributed as dist
 
 from gpipe.evaluator.job import read_run
 from gpipe.evaluator.results import evaluated_steps
+from gpipe.runfile import running
 from gpipe.saving import complete
+from gpipe.train.elastic import JOB
 
-__all__ = ["Next", "next_checkpoint", "watch"]
+__all__ = ["RESTART_GRACE", "Next", "next_checkpoint", "watch"]
+
+RESTART_GRACE = 120.0
+"""Seconds a torchrun job that did not finish is given to be restarted by its agent (which waits its
+``--shutdown-timeout``, 30 s by default, before it starts the group again)."""
 
 
 @dataclass(frozen=True)
@@ -32,15 +45,17 @@ class Next:
     action: str
     folder: str = ""
     message: str = ""
+    ok: bool = True  # (a stop: whether the newest checkpoint there is was evaluated)
 
 
 def step_of(folder: Path) -> int:
     return int(folder.name.removeprefix("step-"))
 
 
-def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int]) -> Next:
+def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int], live: bool | None = True) -> Next:
     """What to do next for ``run``, whose evaluated steps are ``done`` (``failed``: checkpoints that
-    did not load, not tried again); ``every``: ``--all``."""
+    did not load, not tried again); ``every``: ``--all``; ``live``: whether the run trains (None: it
+    cannot be told from here), asked only once it has a checkpoint and nothing is left to evaluate."""
     found = complete(run / "checkpoints")  # newest first
     if not found:
         return Next("wait", message=f"waiting for the first checkpoint of {run}")
@@ -51,12 +66,43 @@ def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int])
         return Next("wait", message=f"waiting for the checkpoints of {run}")
     steps = [step_of(p) for p in found]
     if last in done or (last in failed and step_of(newest) == last):
-        return Next("stop", message=f"the run's last step, {last}, is evaluated" if last in done else "")
+        return Next("stop", message=f"the run's last step, {last}, is evaluated" if last in done else "",
+                    ok=last in done)  # fmt: skip
     newer = max(done, default=0)
     pending = [p for p, s in zip(found, steps) if s not in done and s not in failed and (every or s > newer)]
     if pending:
         return Next("evaluate", str(pending[-1] if every else pending[0]))
-    return Next("wait", message=f"waiting for a checkpoint of {run} after step {max(steps)}")
+    if live is False:
+        return Next(
+            "stop",
+            message=f"the run in {run} is not running (no live process holds {run / '.lock'}; its newest "
+            f"checkpoint is of step {max(steps)} of {last}), and its checkpoints are evaluated; --wait-for-resume "
+            "waits for it to be resumed",
+            ok=max(steps) not in failed,
+        )
+    elsewhere = "" if live else " (its trainer runs on another host, which cannot be watched from here)"
+    return Next("wait", message=f"waiting for a checkpoint of {run} after step {max(steps)}{elsewhere}")
+
+
+class _Life:
+    """Whether the watched run trains, as :func:`next_checkpoint` asks it: a dead torchrun job that
+    did not finish counts as live for :data:`RESTART_GRACE` seconds; with ``resume`` always live."""
+
+    def __init__(self, run: Path, resume: bool) -> None:
+        self.run, self.resume = run, resume
+        self.dead_since: float | None = None
+
+    def __call__(self) -> bool | None:
+        state = True if self.resume else running(self.run)
+        if state is not False:
+            self.dead_since = None
+            return state
+        if (self.run / JOB).exists():  # (its agent may start it again)
+            now = time.monotonic()
+            self.dead_since = now if self.dead_since is None else self.dead_since
+            if now - self.dead_since < RESTART_GRACE:
+                return True
+        return False
 
 
 def _agreed(decided: Next | None) -> Next:
@@ -78,20 +124,27 @@ def watch(
     every: bool,
     poll: float,
     quiet: bool = False,
+    resume: bool = False,
 ) -> bool:
-    """Watch ``run`` until its last step is evaluated: ``evaluate(folder)`` for each checkpoint
-    chosen (False: it did not load), its results listed in ``results``. Returns whether the last
-    step was evaluated (False: it did not load)."""
+    """Watch ``run`` until its last step is evaluated, or until it is not running and every checkpoint
+    it left is (``resume``: ``--wait-for-resume``, only the former): ``evaluate(folder)`` for each
+    checkpoint chosen (False: it did not load), its results listed in ``results``. Returns whether the
+    newest checkpoint was evaluated (False: it did not load)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     failed: set[int] = set()
     delay, said = 1.0, ""
+    life = _Life(run, resume)
     while True:
-        decided = next_checkpoint(run, evaluated_steps(results), every=every, failed=failed) if rank == 0 else None
+        decided = (
+            next_checkpoint(run, evaluated_steps(results), every=every, failed=failed, live=life())
+            if rank == 0
+            else None
+        )
         chosen = _agreed(decided)
         if chosen.action == "stop":
             if rank == 0 and chosen.message and not quiet:
                 print(f"gpipe eval --watch: {chosen.message}; stopping", file=sys.stderr)
-            return bool(chosen.message)
+            return chosen.ok
         if chosen.action == "wait":
             if rank == 0 and chosen.message != said and not quiet:
                 print(f"gpipe eval --watch: {chosen.message}", file=sys.stderr)

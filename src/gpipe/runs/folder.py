@@ -113,16 +113,8 @@ def trial_record(folder: Path) -> dict[str, Any]:
 
 
 def _running(folder: Path) -> bool:
-    """A live process of gpipe holds the run (the PID ``gpipe train`` writes into ``.lock``; read, not
-    locked, so that looking never gets in the way of a run starting)."""
-    try:
-        pid = int((folder / ".lock").read_text().split()[0])
-        os.kill(pid, 0)
-    except (OSError, ValueError, IndexError):
-        return False
-    with contextlib.suppress(OSError):  # (a PID used again by another program since)
-        return b"gpipe" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    return True
+    """A live process of gpipe holds the run (:func:`gpipe.runfile.running`; one on another host counts)."""
+    return runfile.running(folder) is not False
 
 
 def read_run(folder: Path) -> Run:

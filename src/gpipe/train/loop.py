@@ -34,6 +34,7 @@ from gpipe.recipe import (
     inverse_sqrt_schedule,
 )
 from gpipe.rng import derive_seed
+from gpipe.runfile import lock_line
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
@@ -143,7 +144,7 @@ def _last_metrics(path: Path) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def one_run(out: Path, command: str = "gpipe train") -> Iterator[None]:
-    """Hold ``OUT/.lock`` (an exclusive ``flock``, with this process's PID in it) for the run: a
+    """Hold ``OUT/.lock`` (an exclusive ``flock``, with this process's PID and host in it) for the run: a
     second run on the same ``--out`` is refused, naming the first (``command``: what runs there). The
     kernel releases the lock when the process ends, however it ends, so a crash leaves no stale lock.
     Under torchrun rank 0 holds it for the job."""
@@ -159,14 +160,14 @@ def one_run(out: Path, command: str = "gpipe train") -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            pid = lock.read().strip() or "unknown"
+            pid = " on ".join(lock.read().split()[:2]) or "unknown"
             raise ConfigError(
                 f"another {command} (PID {pid}) is running on --out {str(out)!r}; wait for it to end, "
                 "stop it, or give another --out"
             ) from None
         lock.seek(0)
         lock.truncate()
-        lock.write(f"{os.getpid()}\n")
+        lock.write(lock_line())
         lock.flush()
         yield
     finally:
