@@ -23,7 +23,7 @@ from gpipe.data import ParallelCorpus
 from gpipe.data.batches import bucket_bounds
 from gpipe.data.loader import BatchError, StepLoader
 from gpipe.data.prepare import prepare
-from gpipe.data.prepared import PreparedCorpus, read_manifest
+from gpipe.data.prepared import PreparedCorpus, PreparedError, read_manifest
 from gpipe.data.vocab import Vocab, train_vocab
 from gpipe.train import TrainConfig, train
 from gpipe.train.data import train_batch
@@ -268,13 +268,71 @@ def test_the_loader_makes_the_batches_ahead_in_order(corpus: dict[str, Path]) ->
         loader.close()
         assert seen == list(range(start, 5 if start == 1 else 7))
 
-    # a prepared file cut short is refused, not read as shorter sentences
-    copy = corpus["root"] / "cut"
+
+def _damaged(corpus: dict[str, Path], tmp_path: Path, name: str, damage: Any) -> Path:
+    """A copy of the prepared corpus with ``damage(path)`` done to its file ``name``."""
+    copy = tmp_path / "damaged"
     shutil.copytree(corpus["prepared"], copy)
-    with open(copy / "en-fr.tok", "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(ValueError, match=r"the arrays of pair en-fr .* a file was cut short"):
-        PreparedCorpus(copy).batch(64, 0)
+    damage(copy / name)
+    return copy
+
+
+def _garbage(path: Path) -> None:
+    """Random bytes of the same size, with the first and last offsets kept (the checks at open pass)."""
+    data = np.memmap(path, dtype=np.int64, mode="r+")
+    middle = np.random.default_rng(0).integers(0, int(data[-1]), len(data) - 2)
+    data[1:-1] = middle
+    data.flush()
+
+
+def test_damaged_prepared_data_is_found_before_it_trains(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .tok cut short: one line, exit 2, before training (at open). An .off of garbage of the same size:
+    the first batch reading it stops the run in one line. gpipe prepare --verify finds both, and a .tok
+    whose bytes changed (its checksum); it passes an intact folder and one prepared before checksums."""
+    flags = ["train", "--steps", "2", "--batch", "16", "--no-progress", "--tensorboard", "off"]
+
+    def cut(path: Path) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+
+    folder = _damaged(corpus, tmp_path / "cut", "en-fr.tok", cut)
+    with pytest.raises(PreparedError, match=r"en-fr.tok: truncated: 100 of \d+ bytes; check the folder whole"):
+        PreparedCorpus(folder)
+    assert main([*flags, "--data", str(folder), "--out", str(tmp_path / "r1")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "en-fr.tok: truncated" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r1" / "metrics.jsonl").exists()  # (nothing trained)
+
+    folder = _damaged(corpus, tmp_path / "garbage", "en-fr.off", _garbage)
+    data = PreparedCorpus(folder)  # (the sizes and the offsets' ends are right)
+    with pytest.raises(PreparedError, match=r"en-fr.off'(: the offsets| or .*en-fr.len': sentence pair)"):
+        data.sentence(data.names.index("en-fr"), 0)
+    assert main([*flags, "--data", str(folder), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "en-fr.off'" in err and err.count("\n") == 1, err
+
+    assert main(["prepare", "--verify", str(folder)]) == 1
+    said = capsys.readouterr()
+    assert "en-fr.off: corrupt: its sha256 differs from the manifest's" in said.err, said
+    assert main(["prepare", "--verify", str(corpus["prepared"])]) == 0
+    said = capsys.readouterr()
+    assert "match their checksums" in said.out and "consistent with the manifest" in said.out, said
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[7] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    assert main(["prepare", "--verify", str(_damaged(corpus, tmp_path / "flip", "en-fr.tok", flip))]) == 1
+    assert "en-fr.tok: corrupt" in capsys.readouterr().err
+    old = _damaged(corpus, tmp_path / "old", "manifest.json", lambda p: p.write_text(json.dumps(
+        {k: v for k, v in json.loads(p.read_text()).items() if k != "files"})))  # fmt: skip
+    _garbage(old / "en-fr.off")
+    assert main(["prepare", "--verify", str(old)]) == 1  # (no checksums: the structure finds it)
+    said = capsys.readouterr()
+    assert "lists no checksums" in said.out and "en-fr.off'" in said.err, said
 
 
 def test_replicas_on_prepared_token_batches_train_as_one_and_resume_with_another_data_parallel(

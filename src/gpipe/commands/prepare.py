@@ -7,6 +7,7 @@ document a line, is prepared alike for ``gpipe train --model hf`` (:mod:`gpipe.d
     gpipe train --data corpus.prepared --batch-tokens 4096
     gpipe prepare --data text.txt --out text.prepared --tokenizer tokenizer.json
     gpipe train --model hf --data text.prepared
+    gpipe prepare --verify corpus.prepared                 # every file against its checksum, and its structure
 
 The files are streamed (never held whole), the shared SentencePiece vocabulary is trained on a
 bounded, seeded sample (or ``--vocab`` is used), each pair's held-out sentences are taken out as
@@ -14,12 +15,16 @@ bounded, seeded sample (or ``--vocab`` is used), each pair's held-out sentences 
 everything is written beside ``PREPARED`` and renamed into place at the end. A bad line (no single tab,
 not UTF-8, an empty side) is refused with its file and line, or skipped and counted with ``--skip-bad``.
 ``PREPARED/manifest.json`` says what was prepared: pairs, sentences, tokens, lengths, the vocabulary's
-hash."""
+hash, and every file's size and SHA-256. A reader checks the files' sizes and the offsets' ends when
+it opens the folder, and each block of offsets and lengths the first time a batch reads it
+(:mod:`gpipe.data.integrity`); ``--verify`` checks it whole: the checksums, every offset and length
+against the manifest, every token id against the vocabulary."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,13 +40,18 @@ def _parser() -> ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
+        "--verify",
+        metavar="PREPARED",
+        help="check a prepared folder whole instead (its files against their checksums, offsets, lengths and token "
+        "ids against its manifest): exit status 1 with each problem found",
+    )
+    p.add_argument(
         "--data",
-        required=True,
         metavar="PATH",
         help="a folder of pair files (xx-yy.tsv, or xx-yy.xx + xx-yy.yy), or a text file, a document a line (for "
         "gpipe train --model hf)",
     )
-    p.add_argument("--out", required=True, metavar="PREPARED", help="the folder to write (new, or with --overwrite)")
+    p.add_argument("--out", metavar="PREPARED", help="the folder to write (new, or with --overwrite)")
     p.add_argument(
         "--vocab", metavar="PATH", help="a folder: the SentencePiece .model to use (default: train one on a sample)"
     )
@@ -96,6 +106,10 @@ def _parser() -> ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``gpipe prepare``; a bad flag raises :class:`UsageError` (one line from :mod:`gpipe.cli`)."""
     args = _parser().parse_args(argv)
+    if args.verify is not None:
+        return _verify(args.verify, [a for a in ("data", "out", "vocab", "tokenizer") if getattr(args, a)])
+    if args.data is None or args.out is None:
+        return refuse("gpipe prepare needs --data and --out (or --verify PREPARED to check a prepared folder)")
     positive(args, "sample", "temperature", "held_out", "workers")
     if args.vocab_size < 0:
         return refuse(f"--vocab-size must be 0 or more (got {args.vocab_size})")
@@ -146,4 +160,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = {name: sum(e["bad_lines"].values()) for name, e in manifest["pairs"].items() if e["bad_lines"]}
     if bad:
         print(f"skipped bad lines: {', '.join(f'{name} {n}' for name, n in bad.items())} (manifest.json: by kind)")
+    return 0
+
+
+def _verify(folder: str, others: list[str]) -> int:
+    """``--verify``: 0 when ``folder`` is intact, 1 with each problem (a line each) when it is not."""
+    from gpipe.data.integrity import verify
+    from gpipe.data.prepared import is_prepared
+
+    if others:
+        return refuse(f"--verify checks a prepared folder alone: leave out --{' --'.join(others)}")
+    if not is_prepared(folder):
+        return refuse(f"--verify {folder!r} is not prepared data (no manifest.json): give a folder gpipe prepare wrote")
+    problems = verify(Path(folder), print)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        print(f"gpipe prepare --verify: {folder!r} is damaged: prepare the data again (gpipe prepare --overwrite)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{folder}: intact")
     return 0

@@ -38,6 +38,7 @@ import numpy as np
 from gpipe.data.base import EOS
 from gpipe.data.corpus import held_out_rows, pair_tag
 from gpipe.data.files import Counts, PairFiles, Position, check_eval, find_pairs, record_batches, records
+from gpipe.data.integrity import record_checksums
 from gpipe.data.prepared import FORMAT, MANIFEST, VERSION, file_digest, source_fingerprint
 from gpipe.data.vocab import Vocab, VocabSizeError, sample_draws, tag_piece, train_text_vocab
 
@@ -252,8 +253,9 @@ def write_prepared(
 ) -> Path:
     """Make prepared folder ``target``: ``build(pool, scratch)`` writes its files into ``scratch`` (a
     folder beside ``target``, with a ``chunks/`` folder for its own use) with ``workers`` processes and
-    returns the manifest, written last; then ``scratch`` is renamed ``target`` (an older prepared folder
-    there is replaced only with ``overwrite``). Whatever stops it, ``target`` is left as it was."""
+    returns the manifest, written last with every file's size and SHA-256 (``"files"``); then
+    ``scratch`` is renamed ``target`` (an older prepared folder there is replaced only with
+    ``overwrite``). Whatever stops it, ``target`` is left as it was."""
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         if not (target / MANIFEST).is_file():
             raise ValueError(f"--out {str(target)!r} exists and is not prepared data: give a new or empty folder")
@@ -270,6 +272,7 @@ def write_prepared(
         manifest["seconds"] = round(time.perf_counter() - began, 3)
         manifest["workers"] = workers
         shutil.rmtree(scratch / "chunks")
+        record_checksums(scratch, manifest, sorted(p.name for p in scratch.iterdir() if p.is_file()))
         (scratch / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: a folder without it is no data
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"

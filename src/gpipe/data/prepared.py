@@ -27,6 +27,7 @@ from gpipe.data.base import EOS, PAD, entropy
 from gpipe.data.batches import DrawnPairs, Draws
 from gpipe.data.corpus import detokenize, held_out_set
 from gpipe.data.files import find_pairs
+from gpipe.data.integrity import Blocks, check_open
 from gpipe.data.text import SAMPLE_PROMPT, CausalBatch, decode_text
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
@@ -115,6 +116,8 @@ class PreparedCorpus(DrawnPairs):
         self.manifest = manifest = read_manifest(self.path)
         if manifest.get("kind") != "pairs":
             raise PreparedError(f"{str(self.path)!r} holds {manifest.get('kind')!r} data, not language pairs")
+        if (problem := check_open(self.path, manifest)) is not None:
+            raise PreparedError(problem)
         self.length_cap, self.seed, self.dtype = length, seed, np.dtype(manifest["dtype"])
         vocab = self.path / manifest["vocab"]["file"]
         if not vocab.is_file():
@@ -152,6 +155,10 @@ class PreparedCorpus(DrawnPairs):
         }
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._vocab: Any = None
+        self._blocks = [
+            Blocks(self.path, name, int(manifest["pairs"][name]["tokens"]), manifest["pairs"][name]["lengths"])
+            for name in self.names
+        ]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_arrays": None, "_vocab": None}
@@ -170,24 +177,18 @@ class PreparedCorpus(DrawnPairs):
                 )
             except (OSError, ValueError) as exc:
                 raise PreparedError(f"cannot map the arrays of pair {name} in {str(self.path)!r}: {exc}") from None
-            entry = self.manifest["pairs"][name]
-            sizes = (max(entry["tokens"], 1), entry["sentences"] + 1, max(entry["sentences"], 1))
-            if tuple(len(a) for a in arrays) != sizes:
-                raise PreparedError(
-                    f"the arrays of pair {name} in {str(self.path)!r} hold {tuple(len(a) for a in arrays)} values, "
-                    f"its manifest says {sizes} (tokens, offsets, sources): a file was cut short or replaced; prepare "
-                    "the data again (gpipe prepare --overwrite)"
-                )
             self._arrays[name] = arrays
         return arrays
 
     def lengths(self, pair: int, index: int) -> tuple[int, int]:
         _, offsets, sources = self._pair_arrays(self.names[pair])
+        self._blocks[pair].check(offsets, sources, index)  # (its block, the first time it is read)
         source = int(sources[index])
         return source + 1, int(offsets[index + 1]) - int(offsets[index]) - source + 1
 
     def sentence(self, pair: int, index: int) -> tuple[list[int], list[int]]:
         tokens, offsets, sources = self._pair_arrays(self.names[pair])
+        self._blocks[pair].check(offsets, sources, index)
         start, end, split = int(offsets[index]), int(offsets[index + 1]), int(sources[index])
         ids = tokens[start:end].tolist()
         return [*ids[:split], EOS], [*ids[split:], EOS]
@@ -233,12 +234,15 @@ class PreparedText:
                 f"{str(self.path)!r} holds {manifest.get('kind')!r} data, not the text of a causal LM (gpipe prepare "
                 "--data TEXT_FILE makes it)"
             )
+        if (problem := check_open(self.path, manifest)) is not None:
+            raise PreparedError(problem)
         self.seed, self.dtype = seed, np.dtype(manifest["dtype"])
         self.length = min(length, int(manifest["longest"]) - 1)
         self.bos, self.eos = manifest["tokenizer"]["bos"], manifest["tokenizer"]["eos"]
         self.sizes = {"train": int(manifest["train"]), "eval": int(manifest["eval"])}
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self._tokenizer: Any = None
+        self._blocks: dict[str, Blocks] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_arrays": None, "_tokenizer": None}
@@ -271,6 +275,9 @@ class PreparedText:
             except (OSError, ValueError) as exc:
                 raise PreparedError(f"cannot map the {split} documents of {str(self.path)!r}: {exc}") from None
         tokens, offsets = self._arrays[split]
+        if split not in self._blocks:
+            self._blocks[split] = Blocks(self.path, split, len(tokens), None, int(self.manifest["longest"]))
+        self._blocks[split].check(offsets, None, index)
         ids: list[int] = tokens[int(offsets[index]) : int(offsets[index + 1])].tolist()
         return ids
 

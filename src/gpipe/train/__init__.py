@@ -56,6 +56,7 @@ from dataclasses import fields
 from typing import Any
 
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
+from gpipe.data.prepared import PreparedError
 from gpipe.saving import CheckpointError, NoSpaceError
 from gpipe.train import paper
 from gpipe.train.config import PRECISIONS, ConfigError, ConfigTypeError, TrainConfig
@@ -136,12 +137,12 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``gpipe train``. A bad flag, setting, path or checkpoint (:class:`ConfigError`,
-    ``CheckpointError``, a full disk) is one line ``error: ...`` and exit status 2; any other exception is a bug
-    and keeps its traceback."""
+    """``gpipe train``. A bad flag, setting, path, checkpoint or prepared folder (:class:`ConfigError`,
+    ``CheckpointError``, ``PreparedError``, a full disk) is one line ``error: ...`` and exit status 2; any
+    other exception is a bug and keeps its traceback."""
     try:
         train(parse(argv))
-    except (UsageError, CheckpointError) as exc:
+    except (UsageError, CheckpointError, PreparedError) as exc:  # (damaged prepared data: read at open, or a batch)
         return refuse(exc)
     except NoSpaceError as exc:  # the checkpoints before it are intact (a save commits whole or not at all)
         return refuse(f"{exc.strerror}; the earlier checkpoints are intact: free space, then --resume")
