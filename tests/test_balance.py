@@ -20,8 +20,10 @@ from gpipe.balance import (
     balance_by_time,
     blockpartition,
     layer_memory,
+    layer_params,
     layer_times,
     layerwise_sandbox,
+    lightest,
     profiling_device,
     solve,
 )
@@ -84,6 +86,48 @@ def test_partitioner_with_memory_cap_equals_brute_force(layers: list[tuple[int, 
     assert max(cells(memory, balance)) <= cap
     c = cells(costs, balance)
     assert (max(c), max(c) - min(c)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9)), min_size=2, max_size=10),
+    st.integers(1, 4),
+    st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_lightest_is_the_lightest_split_within_the_slack_then_the_fastest(
+    layers: list[tuple[int, int]], k: int, slack: float
+) -> None:
+    costs, memory = [c for c, _ in layers], [m for _, m in layers]
+    if k > len(costs):
+        return
+    fastest = max(cells(costs, solve(costs, k)))
+    splits = [[b - a for a, b in itertools.pairwise((0, *cuts, len(costs)))]
+              for cuts in itertools.combinations(range(1, len(costs)), k - 1)]  # fmt: skip
+    allowed = [b for b in splits if max(cells(costs, b)) <= fastest * (1 + slack)]
+    lightest_memory = min(max(cells(memory, b)) for b in allowed)
+    balance = lightest(costs, k, memory, slack=slack)
+    assert max(cells(memory, balance)) == lightest_memory and max(cells(costs, balance)) <= fastest * (1 + slack)
+    fastest_of_the_lightest = brute_force(costs, k, memory, lightest_memory)
+    assert fastest_of_the_lightest is not None and max(cells(costs, balance)) == fastest_of_the_lightest[0]
+
+
+def test_an_embedding_counts_in_a_balance_by_memory_too() -> None:
+    """A language model's embedding does no floating-point work but holds as many parameters as its
+    head: by FLOPs alone the first stage takes it beside as many blocks as the others get."""
+    torch.manual_seed(0)
+    vocab, dim = 1024, 64
+    blocks = [nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Linear(4 * dim, dim)) for _ in range(12)]
+    model = nn.Sequential(nn.Embedding(vocab, dim), *blocks, nn.Linear(dim, vocab))
+    sample = torch.randint(0, vocab, (8, 16))
+    params = layer_params(model)
+    by_flops = balance_by_flops(4, model, sample, chunks=4)
+    balanced = balance_by_flops(4, model, sample, chunks=4, state_bytes=16)
+    assert by_flops[0] > balanced[0]  # (the embedding's stage gets fewer blocks)
+    assert max(cells(params, balanced)) < max(cells(params, by_flops)) == cells(params, by_flops)[0]
+    with pytest.raises(ValueError, match=r"memory_cap needs state_bytes"):
+        balance_by_flops(4, model, sample, memory_cap=1e9)
+    with pytest.raises(ValueError, match=r"no split into 4 cells keeps every cell within the memory cap 1000"):
+        balance_by_flops(4, model, sample, state_bytes=16, memory_cap=1000)
 
 
 def block_partition_heuristic(costs: Sequence[float], k: int) -> list[int]:

@@ -190,7 +190,8 @@ class Generator:
             raise UsageError(f"--partitions {self.partitions} exceeds the model's {len(layers)} layers")
         placed = start_devices(self.devices, self.partitions)
         sample = torch.zeros(1, min(4, self.positions or 4), dtype=torch.long)
-        self.pipe = Pipeline(layers, balance_by_flops(self.partitions, layers, sample), chunks=1, devices=placed)
+        balance = balance_by_flops(self.partitions, layers, sample, state_bytes=4)  # (the weights alone: no training)
+        self.pipe = Pipeline(layers, balance, chunks=1, devices=placed)
         self.step = load(self.pipe, self.folder)
         self.pipe.eval()
         return self.pipe

@@ -8,6 +8,7 @@ Costs per layer (the paper's c_i) come from a measurement or from the user; the 
     pipe = gpipe.GPipe(model, balance, chunks=8)
 
     balance = balance_by_flops(4, model, sample)     # from shapes alone: works on the meta device
+    balance = balance_by_flops(4, model, sample, state_bytes=16)  # and the memory: an embedding counts
     balance = gpipe.balance.solve(my_costs, 4)       # or your own costs
 
 :func:`balance_by_time` and :func:`balance_by_size` have torchgpipe's signatures. They differ from
@@ -23,6 +24,7 @@ applications.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,12 +36,13 @@ from gpipe.balance.profile import (
     layer_flops,
     layer_memory,
     layer_params,
+    layer_state,
     layer_times,
     layerwise_sandbox,
     profiling_device,
     sandbox,
 )
-from gpipe.balance.solver import solve
+from gpipe.balance.solver import lightest, solve
 
 __all__ = [
     "balance_by_flops",
@@ -50,8 +53,10 @@ __all__ = [
     "layer_flops",
     "layer_memory",
     "layer_params",
+    "layer_state",
     "layer_times",
     "layerwise_sandbox",
+    "lightest",
     "profiling_device",
     "sandbox",
     "solve",
@@ -120,9 +125,34 @@ def balance_by_params(partitions: int, module: nn.Sequential | Sequence[nn.Modul
     return solve(layer_params(nn.Sequential(*module) if not isinstance(module, nn.Sequential) else module), partitions)
 
 
-def balance_by_flops(partitions: int, module: nn.Sequential, sample: Any, *, chunks: int = 1) -> list[int]:
+def balance_by_flops(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    chunks: int = 1,
+    state_bytes: float | None = None,
+    slack: float = 0.05,
+    memory_cap: float | None = None,
+) -> list[int]:
     """Split the layers so that the partition doing the most floating-point work (forward and
     backward on a micro-batch of ``sample``) does as little as possible. Counted from shapes, so
     deterministic and usable on the meta device; a proxy for time where matrix products and
-    convolutions dominate."""
-    return solve(layer_flops(module, sample, chunks=chunks), partitions)
+    convolutions dominate.
+
+    With ``state_bytes`` (what a parameter holds for training: weight, gradient and optimizer state;
+    float32 with Adam 16, with Adafactor about 8), memory too (:func:`layer_state`): of the splits
+    whose slowest partition is within ``slack`` of the fastest split's, the one whose largest
+    partition holds the least (:func:`lightest`). A language model's embedding does no
+    floating-point work but holds as many parameters as its head: by FLOPs alone the first stage
+    gets it and as many blocks as the others. ``memory_cap``: bytes no partition may exceed
+    (a :class:`ValueError` when no split fits)."""
+    flops = layer_flops(module, sample, chunks=chunks)
+    if state_bytes is None:
+        if memory_cap is not None:
+            raise ValueError("memory_cap needs state_bytes: the bytes a parameter holds, to count each layer's memory")
+        return solve(flops, partitions)
+    if not (state_bytes >= 0 and math.isfinite(state_bytes)):
+        raise ValueError(f"state_bytes must be a finite number >= 0 (state_bytes: {state_bytes})")
+    memory = layer_state(module, sample, chunks=chunks, state_bytes=state_bytes)
+    return lightest(flops, partitions, memory, slack=slack, memory_cap=memory_cap)

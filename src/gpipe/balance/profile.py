@@ -29,6 +29,7 @@ __all__ = [
     "layer_flops",
     "layer_memory",
     "layer_params",
+    "layer_state",
     "layer_times",
     "layerwise_sandbox",
     "profiling_device",
@@ -239,6 +240,22 @@ def layer_flops(module: nn.Sequential, sample: Any, *, chunks: int = 1, backward
                 backward_through(outputs)
         flops.append(float(counter.get_total_flops()))
     return flops
+
+
+def layer_state(module: nn.Sequential, sample: Any, *, chunks: int = 1, state_bytes: float = 16.0) -> list[float]:
+    """Each layer's memory in bytes, from shapes alone (on the meta device too): ``state_bytes`` per
+    parameter (its weight, gradient and optimizer state: float32 with Adam 16, with Adafactor's
+    factored moments about 8) plus its output's floating-point bytes on the first micro-batch of
+    ``sample`` (what the recomputation of a micro-batch holds, layer by layer)."""
+    dev = next(module.parameters(), torch.empty(0)).device
+    batch = _first_micro_batch(sample, chunks, dev)
+    sizes = []
+    for i, (layer, inputs) in enumerate(each_layer(module, batch)):
+        with torch.no_grad():
+            outputs = _call(i, layer, inputs)
+        held = sum(t.numel() * t.element_size() for t in outputs.tensors() if t.is_floating_point())
+        sizes.append(state_bytes * sum(p.numel() for p in layer.parameters()) + held)
+    return sizes
 
 
 def layer_params(module: nn.Sequential) -> list[float]:

@@ -9,6 +9,11 @@ programs over prefixes, O(K·L²):
    (B* being the largest cell of all of them) the one with the smallest spread, max - min.
 
 Exact, not a heuristic: ``tests/test_balance.py`` checks it against brute force.
+
+:func:`lightest` adds memory as a second goal: among the splits whose largest cell costs at most
+``1 + slack`` times B*, the smallest largest memory M* (a third program, over the same prefixes); then
+:func:`solve` under the cap M*: the fastest of the lightest. An embedding that costs no time but holds
+a third of a language model's parameters no longer lands beside as many layers as the others get.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["solve"]
+__all__ = ["lightest", "solve"]
 
 
 def _check(costs: Sequence[float], partitions: int) -> None:
@@ -94,3 +99,45 @@ def solve(
         balance.append(i - j)
         i = j
     return balance[::-1]
+
+
+def lightest(
+    costs: Sequence[float],
+    partitions: int,
+    memory: Sequence[float],
+    *,
+    slack: float = 0.05,
+    memory_cap: float | None = None,
+) -> list[int]:
+    """The balance of the split of ``costs`` into ``partitions`` cells whose largest summed ``memory``
+    is smallest among those whose largest cell costs at most ``1 + slack`` times the fastest split's
+    (within ``memory_cap``, if given); the fastest of them, the most even (see the module's docstring)."""
+    if not (slack >= 0 and math.isfinite(slack)):
+        raise ValueError(f"slack must be a finite number >= 0 (slack: {slack})")
+    _check(memory, partitions)
+    fastest = solve(costs, partitions, memory=memory if memory_cap is not None else None, memory_cap=memory_cap)
+    prefix, mem_prefix = [0.0], [0.0]
+    for c, m in zip(costs, memory, strict=True):
+        prefix.append(prefix[-1] + c)
+        mem_prefix.append(mem_prefix[-1] + m)
+    n, bound, edges = len(costs), 0.0, [0]
+    for size in fastest:
+        edges.append(edges[-1] + size)
+        bound = max(bound, prefix[edges[-1]] - prefix[edges[-2]])
+    bound *= 1 + slack
+    inf = math.inf
+    # heaviest[k][i]: the smallest largest memory of layers 0..i-1 in k cells, each costing at most bound.
+    heaviest = [[inf] * (n + 1) for _ in range(partitions + 1)]
+    heaviest[0][0] = 0.0
+    for k in range(1, partitions + 1):
+        for i in range(k, n - (partitions - k) + 1):
+            heaviest[k][i] = min(
+                (
+                    max(heaviest[k - 1][j], mem_prefix[i] - mem_prefix[j])
+                    for j in range(k - 1, i)
+                    if heaviest[k - 1][j] < inf and prefix[i] - prefix[j] <= bound
+                ),
+                default=inf,
+            )
+    cap = heaviest[partitions][n]  # (finite: the fastest split is among them)
+    return solve(costs, partitions, memory=memory, memory_cap=cap)

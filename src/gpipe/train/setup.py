@@ -57,6 +57,11 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+STATE_BYTES = {"adam": 16.0, "adafactor": 8.0, "rmsprop": 12.0}
+"""What a float32 parameter holds in training, by ``--optimizer``: weight, gradient and optimizer state
+(Adam's two moments; Adafactor's factored ones, next to nothing; RMSprop's one)."""
+
+
 def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
     params = (p for p in params if p.requires_grad)  # (--lora: the frozen weights have no optimizer state)
     if cfg.optimizer == "adafactor":
@@ -95,15 +100,18 @@ def make_pipeline(
     cfg: TrainConfig, model: torch.nn.Sequential, data: Dataset, losses: Losses, *, distributed: bool
 ) -> Pipeline:
     """The run's :class:`~gpipe.Pipeline` of ``model``: ``--partitions`` stages balanced by FLOPs (from
-    shapes, on the meta device), the schedule, re-materialization and layout the settings say; the
+    shapes, on the meta device; for ``--model hf`` by memory too, within 5% of that time:
+    :data:`STATE_BYTES`), the schedule, re-materialization and layout the settings say; the
     same for ``gpipe train`` and ``gpipe eval`` (which evaluates a checkpoint with the numbers
     training's own evaluation had). Token losses leave out padding, and a step's loss is the
     mini-batch's token mean however the padding falls into micro-batches: each micro-batch sums, the
     step divides by the tokens counted."""
     sample = data.batch(cfg.batch, 0, split="eval").inputs
+    # A causal LM's embedding and head hold a large share of its parameters: balanced for memory too
+    state = (4 if cfg.lora else STATE_BYTES[cfg.optimizer]) if cfg.model == "hf" else None  # (frozen: weights)
     return Pipeline(
         model,
-        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks),
+        balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks, state_bytes=state),
         virtual=cfg.virtual,
         chunks=cfg.chunks,
         deferred_batch_norm=cfg.model == "amoebanet",
