@@ -52,3 +52,32 @@ def test_where_and_how_a_run_ran_is_no_column_of_gpipe_runs() -> None:
     a = Run(path=Path("a"), settings={"lr": 1.0, "devices": "cpu", "timeout": 60.0, "out": "a"})
     b = Run(path=Path("b"), settings={"lr": 2.0, "devices": "cuda", "timeout": 30.0, "out": "b"})
     assert columns([a, b]) == ["lr"]
+
+
+def test_a_run_is_running_while_a_live_process_of_gpipe_on_this_host_holds_its_lock(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from gpipe.evaluator.watch import next_checkpoint
+    from gpipe.runfile import LOCK, lock_line, running
+
+    assert running(tmp_path) is False  # (never started: no lock)
+    (tmp_path / LOCK).write_text("")
+    assert running(tmp_path) is None  # (a run starting: its PID not written yet)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "gpipe"])
+    try:
+        while b"gpipe" not in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes():  # (until it runs)
+            time.sleep(0.01)
+        (tmp_path / LOCK).write_text(f"{sleeper.pid} {socket.gethostname()}\n")
+        assert running(tmp_path) is True
+        (tmp_path / LOCK).write_text(f"{sleeper.pid} another-host\n")
+        assert running(tmp_path) is None  # (cannot be told from here)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    (tmp_path / LOCK).write_text(f"{sleeper.pid} {socket.gethostname()}\n")
+    assert running(tmp_path) is False and lock_line().split()[1] == socket.gethostname()
+    chosen = next_checkpoint(tmp_path, set(), every=False, failed=set(), live=False)
+    assert chosen.action == "stop" and not chosen.ok and "left no checkpoint" in chosen.message

@@ -57,12 +57,16 @@ def lock_line() -> str:
 
 def running(folder: str | os.PathLike[str]) -> bool | None:
     """Whether a live process of gpipe holds the run in ``folder`` (by the PID in its :data:`LOCK`,
-    read, not locked); None when that cannot be told from here: the holder is on another host."""
+    read, not locked): False where there is no lock (never started) or its process is gone; None
+    when that cannot be told from here: the holder is on another host, or is writing the lock."""
     try:
         words = (Path(folder) / LOCK).read_text().split()
-        pid = int(words[0])
-    except (OSError, ValueError, IndexError):  # (no lock: never started, or an empty one)
+    except OSError:
         return False
+    try:
+        pid = int(words[0])
+    except (ValueError, IndexError):  # (a run starting: the lock taken, its PID not written yet)
+        return None
     if len(words) > 1 and words[1] != socket.gethostname():
         return None
     try:

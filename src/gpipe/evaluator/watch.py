@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gpipe.evaluator.job import read_run
 from gpipe.evaluator.results import evaluated_steps
-from gpipe.runfile import running
+from gpipe.runfile import LOCK, running
 from gpipe.saving import complete
 from gpipe.train.elastic import JOB
 
@@ -55,9 +55,13 @@ def step_of(folder: Path) -> int:
 def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int], live: bool | None = True) -> Next:
     """What to do next for ``run``, whose evaluated steps are ``done`` (``failed``: checkpoints that
     did not load, not tried again); ``every``: ``--all``; ``live``: whether the run trains (None: it
-    cannot be told from here), asked only once it has a checkpoint and nothing is left to evaluate."""
+    cannot be told from here): a run that started (its ``.lock`` is there) and is not running stops the
+    watch once nothing is left to evaluate."""
     found = complete(run / "checkpoints")  # newest first
     if not found:
+        if live is False and (run / LOCK).exists():  # (it started, and stopped before its first checkpoint)
+            return Next("stop", message=f"the run in {run} is not running and left no checkpoint; --wait-for-resume "
+                                        "waits for it to be resumed", ok=False)  # fmt: skip
         return Next("wait", message=f"waiting for the first checkpoint of {run}")
     newest = found[0]
     try:
@@ -75,7 +79,7 @@ def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int],
     if live is False:
         return Next(
             "stop",
-            message=f"the run in {run} is not running (no live process holds {run / '.lock'}; its newest "
+            message=f"the run in {run} is not running (no live process holds {run / LOCK}; its newest "
             f"checkpoint is of step {max(steps)} of {last}), and its checkpoints are evaluated; --wait-for-resume "
             "waits for it to be resumed",
             ok=max(steps) not in failed,
