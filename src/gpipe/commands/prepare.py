@@ -166,13 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _verify(folder: str, others: list[str]) -> int:
     """``--verify``: 0 when ``folder`` is intact, 1 with each problem (a line each) when it is not."""
     from gpipe.data.integrity import verify
-    from gpipe.data.prepared import is_prepared
+    from gpipe.data.prepared import PreparedError, is_prepared, read_manifest
 
     if others:
         return refuse(f"--verify checks a prepared folder alone: leave out --{' --'.join(others)}")
     if not is_prepared(folder):
         return refuse(f"--verify {folder!r} is not prepared data (no manifest.json): give a folder gpipe prepare wrote")
-    problems = verify(Path(folder), print)
+    try:
+        problems = verify(Path(folder), read_manifest(folder), print)
+    except PreparedError as exc:  # (its manifest)
+        problems = [str(exc)]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:

@@ -26,12 +26,17 @@ import numpy as np
 
 from gpipe.saving.checksums import ALGORITHM, FILES, _digest, _listed, _problem, _problems
 
-__all__ = ["BLOCK", "Blocks", "check_open", "record_checksums", "verify"]
+__all__ = ["BLOCK", "Blocks", "PreparedError", "check_open", "record_checksums", "verify"]
 
 BLOCK = 4096
 """Sentences (or documents) checked at a time, the first time a batch reads one of them."""
 
 _TOKENS = 1 << 24  # token ids checked at a time by verify
+
+
+class PreparedError(ValueError):
+    """A prepared folder that cannot be read: missing or damaged files, another format, a vocabulary
+    that is not the one it was prepared with (:mod:`gpipe.data.prepared` reads it)."""
 
 
 def _damaged(folder: Path, what: str) -> str:
@@ -110,9 +115,7 @@ class Blocks:
             self.done.add(block)
 
     def check_range(self, offsets: np.ndarray, sources: np.ndarray | None, a: int, b: int) -> None:
-        """Check sentences ``a`` to ``b`` (excluded); raises :class:`~gpipe.data.prepared.PreparedError`."""
-        from gpipe.data.prepared import PreparedError
-
+        """Check sentences ``a`` to ``b`` (excluded); raises :class:`PreparedError`."""
         off = np.asarray(offsets[a : b + 1], dtype=np.int64)
         span = np.diff(off)
         off_file, len_file = (repr(str(self.folder / f"{self.stem}{suffix}")) for suffix in (".off", ".len"))
@@ -142,15 +145,9 @@ class Blocks:
             raise PreparedError(_damaged(self.folder, what))
 
 
-def verify(folder: Path, say: Callable[[str], None]) -> list[str]:
-    """``gpipe prepare --verify``: every problem of the prepared ``folder`` (empty: intact); ``say``
-    reports what was checked."""
-    from gpipe.data.prepared import PreparedError, read_manifest
-
-    try:
-        manifest = read_manifest(folder)
-    except PreparedError as exc:
-        return [str(exc)]
+def verify(folder: Path, manifest: dict[str, Any], say: Callable[[str], None]) -> list[str]:
+    """``gpipe prepare --verify``: every problem of the prepared ``folder``, whose manifest is
+    ``manifest`` (empty: intact); ``say`` reports what was checked."""
     listing = _listed(manifest, folder / "manifest.json")
     if listing is None:
         say(f"{folder}: its manifest lists no checksums (prepared by an earlier gpipe): the structure alone is checked")

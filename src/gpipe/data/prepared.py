@@ -27,7 +27,7 @@ from gpipe.data.base import EOS, PAD, entropy
 from gpipe.data.batches import DrawnPairs, Draws
 from gpipe.data.corpus import detokenize, held_out_set
 from gpipe.data.files import find_pairs
-from gpipe.data.integrity import Blocks, check_open
+from gpipe.data.integrity import Blocks, PreparedError, check_open
 from gpipe.data.text import SAMPLE_PROMPT, CausalBatch, decode_text
 from gpipe.recipe import temperature_sampling
 from gpipe.rng import derive_seed
@@ -46,11 +46,6 @@ __all__ = [
 ]
 
 FORMAT, VERSION, MANIFEST = "gpipe-prepared", 1, "manifest.json"
-
-
-class PreparedError(ValueError):
-    """A prepared folder that cannot be read: missing files, another format, a vocabulary that is
-    not the one it was prepared with."""
 
 
 def is_prepared(path: str | os.PathLike[str]) -> bool:
