@@ -267,6 +267,10 @@ def test_bad_arguments_are_named() -> None:
         beam_search(model, source, start, beam=2, max_len=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"length_penalty.*\(length_penalty: -1\)"):
         beam_search(model, source, start, beam=2, max_len=5, length_penalty=-1)
+    with pytest.raises(ValueError, match=r"eos and pad must differ \(eos: 0, pad: 0\)"):
+        beam_search(model, source, start, beam=2, max_len=5, eos=PAD)
+    with pytest.raises(ValueError, match=r"eos and pad must differ \(eos: 7, pad: 7\)"):
+        decode_batches(model, [Chunk(source, start, 5)], eos=7, pad=7)
     with pytest.raises(ValueError, match=r"start has 4 tokens but source 5 sentences"):
         greedy(model, source, start[:4], max_len=5)
     with pytest.raises(ValueError, match=r"source must be a \(B, S\) tensor.*\(6,\)"):

@@ -16,7 +16,9 @@ Under torch.distributed every rank of the pipeline calls alike and gets the same
 stage's rank chooses the tokens. (Not with data parallelism.)
 
 Outputs are (B, L) token ids without the start token, each sentence ending with ``eos`` (unless it
-ran into ``max_len``) and padded with ``pad`` after it; L is the longest sentence's length.
+ran into ``max_len``) and padded with ``pad`` after it; L is the longest sentence's length. No
+sentence ever holds ``pad`` before that (its log-probability is -inf: :func:`gpipe.decode.beams.log_probs`),
+so ``eos`` and ``pad`` must differ.
 
 Part of the applications (it decodes gpipe's Transformer): ``cached`` (the feeds of the stages'
 decode loop), ``uncached``, ``beams`` (the beam search's state); imports the library and
@@ -72,6 +74,11 @@ def _check_inputs(source: Tensor, start: Tensor, max_len: int, eos: int, pad: in
     _check_int("max_len", max_len, 1)
     _check_int("eos", eos, 0)
     _check_int("pad", pad, 0)
+    if eos == pad:  # (beams.log_probs: pad is never chosen, so no sentence could end)
+        raise ValueError(
+            f"eos and pad must differ (eos: {eos}, pad: {pad}): decoding never chooses pad, so no sentence "
+            "would end; pass the model's padding id as pad, its end-of-sentence id as eos"
+        )
     if not isinstance(source, Tensor) or source.dim() != 2 or source.dtype.is_floating_point:
         raise ValueError(
             f"source must be a (B, S) tensor of token ids (source: "

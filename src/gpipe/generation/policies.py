@@ -36,6 +36,13 @@ or gone or not, so that a seeded run draws what ``generate`` draws (``torch.mult
 exponential variate per entry of the probabilities, whatever they are). Logits are taken in
 float32, as ``generate`` does. The defaults are ``generate``'s (a model's ``generation_config`` may
 set others: pass them).
+
+``pad_token_id`` may be chosen: unlike :mod:`gpipe.decode` (PAD's log-probability -inf, as fairseq:
+its decoder would mask a PAD in the prefix it runs again), no policy masks it. Here it is only the
+fill of finished rows: a step's new tokens go in with an attention mask of ones, as ``generate``
+feeds them, so a chosen pad is attended like any token, and ``generate`` does not mask it (the
+policies give its tokens). It is mostly None (GPT-2, Llama 3: eos fills) or one of the eos ids
+(Qwen2.5's instruct models), where masking it would forbid ending.
 """
 
 from __future__ import annotations
@@ -135,7 +142,7 @@ class Greedy:
         return tokens[keep], keep, False
 
     def _pick(self, scores: Tensor) -> Tensor:
-        return scores.argmax(dim=-1)
+        return scores.argmax(dim=-1)  # (pad_token_id not masked: see the module docstring)
 
 
 class Sample(Greedy):
@@ -280,6 +287,7 @@ class Beam:
         if scores.shape[0] != active.numel() * n:
             raise ValueError(f"choose got the logits of {scores.shape[0]} rows; {active.numel() * n} go on")
         vocab = scores.shape[-1]
+        # (pad_token_id not masked, as generate does not: see the module docstring)
         log_probs = torch.log_softmax(scores, dim=-1).view(-1, n, vocab) + self.running_scores[active][:, :, None]
         # the best continuations of all the prompt's beams, twice as many as go on (some may finish)
         top_scores, top_index = torch.topk(log_probs.reshape(-1, n * vocab), k=self.keep)
