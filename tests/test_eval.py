@@ -139,29 +139,40 @@ def test_a_watcher_started_before_the_run_evaluates_each_checkpoint_once_across_
 def test_a_watcher_of_a_run_killed_for_good_stops_and_one_waiting_for_its_resume_sees_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A run killed (SIGKILL) after its first checkpoints: the watcher evaluates what it left, says that
-    it is not running and stops; with --wait-for-resume it waits, and follows the run once resumed."""
+    """A run killed (SIGKILL) after its first checkpoints: the watcher evaluates what it left, gives it
+    STARTUP_GRACE seconds to start again, says that it is not running and stops; started again with its
+    resume, the watcher looks before the resume takes the lock and follows it; with --wait-for-resume a
+    watcher waits for the resume, and follows it."""
+    from gpipe.evaluator.watch import STARTUP_GRACE
     from gpipe.saving import complete
 
-    run = tmp_path / "run"
+    run, dead = tmp_path / "run", tmp_path / "dead"
     trainer = _gpipe("train", "--out", str(run), "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "0",
                      "--no-progress", "--tensorboard", "off", log=tmp_path / "train.log")  # fmt: skip
     waiting = None
     try:
-        _wait_for(lambda: bool(complete(run / "checkpoints")), 120, "the first checkpoint")
+        _wait_for(lambda: len(complete(run / "checkpoints")) > 1, 120, "two checkpoints")
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         newest = int(complete(run / "checkpoints")[0].name.removeprefix("step-"))
+        passed = len(complete(run / "checkpoints")) - 1  # (without --all: the newest alone is evaluated)
         waiting = _gpipe("eval", "--watch", str(run), "--wait-for-resume", "--poll", "1", "--out",
                          str(tmp_path / "waited"), log=tmp_path / "waiting.log")  # fmt: skip
         capsys.readouterr()
-        assert main(["eval", "--watch", str(run), "--out", str(tmp_path / "dead")]) == 0
+        assert main(["eval", "--watch", str(run), "--poll", "1", "--out", str(dead)]) == 0
         err = capsys.readouterr().err
-        assert f"the run in {run} is not running" in err and f"checkpoint is of step {newest} of 100000" in err, err
-        assert sorted(rows(tmp_path / "dead" / "metrics.jsonl")) == [newest]
+        assert f"the run in {run} is not running (" in err and f"checkpoint is of step {newest} of 100000" in err, err
+        assert f"and its newest checkpoint is evaluated ({passed} older passed over: --all evaluates" in err, err
+        assert f"it may be starting: the watch ends unless it runs again within {STARTUP_GRACE:.0f} s" in err, err
+        assert sorted(rows(dead / "metrics.jsonl")) == [newest]
         assert waiting.poll() is None  # (still waiting for the resume)
-        argv = ["train", "--out", str(run), "--resume", "--steps", str(newest + 2), "--no-progress"]
-        assert main(argv) == 0
+        trainer = _gpipe("train", "--out", str(run), "--resume", "--steps", str(newest + 2), "--no-progress",
+                         log=tmp_path / "train.log")  # fmt: skip
+        assert main(["eval", "--watch", str(run), "--poll", "1", "--out", str(dead)]) == 0  # (before its lock)
+        err = capsys.readouterr().err
+        assert f"the run's last step, {newest + 2}, is evaluated; stopping" in err and "(no live" not in err, err
+        assert sorted(rows(dead / "metrics.jsonl")) == [newest, newest + 2]
+        assert trainer.wait(timeout=120) == 0, (tmp_path / "train.log").read_text()[-3000:]
         assert waiting.wait(timeout=120) == 0, (tmp_path / "waiting.log").read_text()[-3000:]
     finally:
         for process in (trainer, waiting):

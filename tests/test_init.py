@@ -424,3 +424,9 @@ def test_a_resumed_init_run_needs_its_checkpoint_alone(
     capsys.readouterr()
     assert main([*argv, "--resume", "--steps", "3"]) == 2
     assert "give one of them" in capsys.readouterr().err
+    newest = out / "checkpoints" / "step-00000002"
+    (newest / "config.json").write_text('{"model_type": "llama",')  # (damaged: the message names --resume's)
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read the config.json of --resume's checkpoint {str(newest)!r}"), err
+    assert "--init" not in err and "give a config.json that transformers reads" in err and err.count("\n") == 1, err

@@ -205,11 +205,12 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 def test_training_on_prepared_data_is_training_on_the_folder(
-    corpus: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    corpus: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The same losses from the in-memory corpus, from --data PREPARED and from --data FOLDER (prepared
     into OUT/prepared once, reused by --resume); with --batch-tokens, the same for 1 and 2 stages and
-    resumed, the metrics saying the tokens and padding of each step."""
+    resumed, the metrics saying the tokens and padding of each step; the pairs longer than --max-length
+    left out, said once with their count."""
     prepared = train(quick(tmp_path / "prepared", corpus["prepared"]))
     folder = train(quick(tmp_path / "folder", corpus["raw"], vocab=str(corpus["vocab"])))
     assert prepared["loss"] == folder["loss"] and losses(tmp_path / "prepared") == losses(tmp_path / "folder")
@@ -240,6 +241,14 @@ def test_training_on_prepared_data_is_training_on_the_folder(
         quick(tmp_path / "small", corpus["prepared"], batch_tokens=3, max_length=32).check()
     with pytest.raises(ValueError, match="is prepared data, with its own vocabulary"):
         quick(tmp_path / "v", corpus["prepared"], vocab=str(corpus["vocab"])).check()
+    capsys.readouterr()
+    train(quick(tmp_path / "short", corpus["prepared"], steps=1, max_length=12))  # (12: some pairs are longer)
+    short = PreparedCorpus(corpus["prepared"], length=12)
+    count, total = sum(short.skipped.values()), sum(short.skipped.values()) + sum(short.pair_sizes.values())
+    err = capsys.readouterr().err
+    note = f"note: {count} of the {total} training sentence pairs have a side longer than --max-length 12 tokens"
+    pairs = ", ".join(f"{name}: {n}" for name, n in short.skipped.items())
+    assert count and err.count(note) == 1 and f"are left out of training ({pairs}); raise --max-length" in err, err
 
 
 def test_the_loader_makes_the_batches_ahead_in_order(corpus: dict[str, Path]) -> None:

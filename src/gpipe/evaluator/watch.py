@@ -8,9 +8,11 @@ again, it goes on where it stopped. Under torchrun rank 0 looks and says what ev
 
 A run that stopped for good (killed, crashed, interrupted and not resumed) ends the watch too: once
 every checkpoint it left is evaluated and no live process holds the run (:func:`gpipe.runfile.running`:
-the PID and host in ``RUN/.lock``), the watcher says so and stops. A torchrun job that did not finish
-(its ``.job.json`` is there) may be restarted by its agent: the watcher gives it :data:`RESTART_GRACE`
-seconds to come back first. A trainer on another host cannot be seen from here: the watch goes on, and
+the PID and host in ``RUN/.lock``), the watcher says so and stops. A run seen not running is first
+given :data:`STARTUP_GRACE` seconds to start again (a ``gpipe train --resume`` launched with the
+watcher, or by a retry loop, takes the lock a few seconds after it starts); a torchrun job that did not
+finish (its ``.job.json`` is there), which its agent may restart, :data:`RESTART_GRACE` seconds. While
+it waits so, the watcher says so. A trainer on another host cannot be seen from here: the watch goes on, and
 says why. ``--wait-for-resume`` keeps watching a run that is not running, for a resume to come.
 """
 
@@ -30,11 +32,15 @@ from gpipe.runfile import LOCK, running
 from gpipe.saving import complete
 from gpipe.train.elastic import JOB
 
-__all__ = ["RESTART_GRACE", "Next", "next_checkpoint", "watch"]
+__all__ = ["RESTART_GRACE", "STARTUP_GRACE", "Next", "next_checkpoint", "watch"]
 
 RESTART_GRACE = 120.0
 """Seconds a torchrun job that did not finish is given to be restarted by its agent (which waits its
 ``--shutdown-timeout``, 30 s by default, before it starts the group again)."""
+
+STARTUP_GRACE = 20.0
+"""Seconds a run seen not running is given to start again: ``gpipe train --resume`` takes its lock 3-6 s
+after it is launched (measured on two busy CPU cores), a retry loop's restart a little later."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +58,21 @@ def step_of(folder: Path) -> int:
     return int(folder.name.removeprefix("step-"))
 
 
-def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int], live: bool | None = True) -> Next:
+def next_checkpoint(
+    run: Path, done: set[int], *, every: bool, failed: set[int], live: bool | None = True, grace: str = ""
+) -> Next:
     """What to do next for ``run``, whose evaluated steps are ``done`` (``failed``: checkpoints that
     did not load, not tried again); ``every``: ``--all``; ``live``: whether the run trains (None: it
     cannot be told from here): a run that started (its ``.lock`` is there) and is not running stops the
-    watch once nothing is left to evaluate."""
+    watch once nothing is left to evaluate; ``grace``: said while waiting, why a run not running is
+    waited for still."""
     found = complete(run / "checkpoints")  # newest first
     if not found:
-        if live is False and (run / LOCK).exists():  # (it started, and stopped before its first checkpoint)
+        started = (run / LOCK).exists()
+        if live is False and started:  # (it started, and stopped before its first checkpoint)
             return Next("stop", message=f"the run in {run} is not running and left no checkpoint; --wait-for-resume "
                                         "waits for it to be resumed", ok=False)  # fmt: skip
-        return Next("wait", message=f"waiting for the first checkpoint of {run}")
+        return Next("wait", message=f"waiting for the first checkpoint of {run}{grace if started else ''}")
     newest = found[0]
     try:
         last = read_run(newest)[0].steps
@@ -77,36 +87,50 @@ def next_checkpoint(run: Path, done: set[int], *, every: bool, failed: set[int],
     if pending:
         return Next("evaluate", str(pending[-1] if every else pending[0]))
     if live is False:
+        passed = sum(s not in done and s not in failed for s in steps)  # (older than one evaluated: not --all)
+        if max(steps) in failed:
+            what = "its newest checkpoint did not load"
+        elif passed:
+            what = f"its newest checkpoint is evaluated ({passed} older passed over: --all evaluates every one)"
+        else:
+            what = "its checkpoints are evaluated"
         return Next(
             "stop",
             message=f"the run in {run} is not running (no live process holds {run / LOCK}; its newest "
-            f"checkpoint is of step {max(steps)} of {last}), and its checkpoints are evaluated; --wait-for-resume "
-            "waits for it to be resumed",
+            f"checkpoint is of step {max(steps)} of {last}), and {what}; --wait-for-resume waits for it to be "
+            "resumed",
             ok=max(steps) not in failed,
         )
     elsewhere = "" if live else " (its trainer runs on another host, which cannot be watched from here)"
-    return Next("wait", message=f"waiting for a checkpoint of {run} after step {max(steps)}{elsewhere}")
+    return Next("wait", message=f"waiting for a checkpoint of {run} after step {max(steps)}{elsewhere}{grace}")
 
 
 class _Life:
-    """Whether the watched run trains, as :func:`next_checkpoint` asks it: a dead torchrun job that
-    did not finish counts as live for :data:`RESTART_GRACE` seconds; with ``resume`` always live."""
+    """Whether the watched run trains, as :func:`next_checkpoint` asks it: a run seen not running
+    counts as live for :data:`STARTUP_GRACE` seconds (a torchrun job that did not finish:
+    :data:`RESTART_GRACE`), :attr:`grace` saying so; with ``resume`` always live."""
 
     def __init__(self, run: Path, resume: bool) -> None:
         self.run, self.resume = run, resume
         self.dead_since: float | None = None
+        self.grace = ""
 
     def __call__(self) -> bool | None:
         state = True if self.resume else running(self.run)
+        self.grace = ""
         if state is not False:
             self.dead_since = None
             return state
+        now = time.monotonic()
+        self.dead_since = now if self.dead_since is None else self.dead_since
         if (self.run / JOB).exists():  # (its agent may start it again)
-            now = time.monotonic()
-            self.dead_since = now if self.dead_since is None else self.dead_since
-            if now - self.dead_since < RESTART_GRACE:
-                return True
-        return False
+            seconds, what = RESTART_GRACE, "its torchrun job did not finish, and its agent may restart it"
+        else:
+            seconds, what = STARTUP_GRACE, "it may be starting"
+        if now - self.dead_since >= seconds:
+            return False
+        self.grace = f" (it is not running now; {what}: the watch ends unless it runs again within {seconds:.0f} s)"
+        return True
 
 
 def _agreed(decided: Next | None) -> Next:
@@ -139,11 +163,11 @@ def watch(
     delay, said = 1.0, ""
     life = _Life(run, resume)
     while True:
-        decided = (
-            next_checkpoint(run, evaluated_steps(results), every=every, failed=failed, live=life())
-            if rank == 0
-            else None
-        )
+        decided: Next | None = None
+        if rank == 0:
+            live = life()
+            decided = next_checkpoint(run, evaluated_steps(results), every=every, failed=failed, live=live,
+                                      grace=life.grace)  # fmt: skip
         chosen = _agreed(decided)
         if chosen.action == "stop":
             if rank == 0 and chosen.message and not quiet:

@@ -65,7 +65,10 @@ def load_config(path: str, given: str | None = None) -> Any:
         config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         detail = " ".join(str(exc).split())
-        raise ValueError(f"cannot read {name} as a transformers config: {detail}") from None
+        raise ValueError(
+            f"cannot read {name} as a transformers config: {detail.rstrip('.')}; give a config.json that "
+            "transformers reads (save_pretrained writes one) of a model type it knows"
+        ) from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"{name} is a {config.model_type!r} config, which is not a causal language "

@@ -444,10 +444,9 @@ class TrainConfig:
     def hf_model_config(self) -> Any:
         """``--hf-config``'s transformers config (read afresh; or the ``--init`` folder's, or the one
         its checkpoint keeps), or None for the built-in GPT-2."""
-        path = hf_config_path(self)
+        path, given = hf_config_path(self)
         if not path:
             return None
-        given = None if self.hf_config else f"the config.json of --init {self.init!r}"
         try:
             return hf.load_config(path, given)
         except ValueError as exc:

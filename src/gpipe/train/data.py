@@ -1,7 +1,8 @@
 """The data of ``gpipe train --data``: a folder of language pairs is prepared once (``gpipe
 prepare``'s work, :mod:`gpipe.data.prepare`) into ``OUT/prepared`` and read from there, memory-mapped;
 ``--data PREPARED`` is read as it is. What a step draws (:func:`train_batch`): ``--batch`` sentences,
-or about ``--batch-tokens`` tokens from a length bucket."""
+or about ``--batch-tokens`` tokens from a length bucket. The training sentence pairs with a side longer than
+``--max-length`` tokens are left out, and said so once, counted (:func:`left_out`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gpipe.saving import write_atomically
 from gpipe.train.checks import ROWS
 from gpipe.train.config import ConfigError, TrainConfig
 
-__all__ = ["CACHE", "ROWS", "on_rank_zero", "prepared_folder", "reads_shares", "train_batch"]
+__all__ = ["CACHE", "ROWS", "left_out", "on_rank_zero", "prepared_folder", "reads_shares", "train_batch"]
 
 CACHE = "prepared"  # OUT/prepared: --data FOLDER prepared by the run
 WAIT_HOURS = 24  # how long the other ranks wait for rank 0 to prepare the data
@@ -42,6 +43,21 @@ def train_batch(data: Any, cfg: TrainConfig, replica: int, step: int) -> Any:
     if share is not None:
         return data.batch(cfg.batch, step, share=share)
     return data.batch(cfg.batch, step)
+
+
+def left_out(data: Any, cfg: TrainConfig) -> str | None:
+    """The note that ``data``'s training leaves out its sentence pairs with a side longer than
+    ``--max-length`` (language pairs count them: ``skipped``), in one line with the counts; None when
+    it leaves out none."""
+    skipped = getattr(data, "skipped", None)
+    if not isinstance(skipped, dict) or not (count := sum(skipped.values())):
+        return None
+    total = count + sum(data.pair_sizes.values())
+    pairs = ", ".join(f"{name}: {n}" for name, n in skipped.items() if n)
+    return (
+        f"note: {count} of the {total} training sentence pairs have a side longer than --max-length {cfg.max_length} "
+        f"tokens and are left out of training ({pairs}); raise --max-length to train on them"
+    )
 
 
 def reads_shares(data: Any) -> bool:

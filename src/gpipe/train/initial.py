@@ -246,21 +246,28 @@ def _started_from(cfg: Any) -> tuple[str, Path]:
     return init_source(cfg.init)
 
 
-def hf_config_path(cfg: Any) -> str:
+def hf_config_path(cfg: Any) -> tuple[str, str | None]:
     """The config.json of ``cfg``'s Hugging Face model: ``--hf-config``, the ``--init`` folder's, or
-    the config a ``--init`` checkpoint keeps; '' for the built-in GPT-2."""
+    the config a ``--init`` checkpoint (or the checkpoint ``--resume`` continues) keeps; '' for the
+    built-in GPT-2. With it, how the user named that file, for the messages (None: ``--hf-config``)."""
     if cfg.hf_config or not cfg.init:
-        return str(cfg.hf_config)
+        return str(cfg.hf_config), None
     kind, folder = _started_from(cfg)
+    resumed = cfg.resume and Path(cfg.out) in folder.parents  # (the run's own newest checkpoint)
+    given = (
+        f"the config.json of --resume's checkpoint {str(folder)!r}"
+        if resumed
+        else f"the config.json of --init {cfg.init!r}"
+    )
     if kind == PRETRAINED:
-        return str(folder)
+        return str(folder), given
     kept = folder / "config.json"
     if not kept.is_file():
         raise ConfigError(
             f"--init {cfg.init!r}: its checkpoint {str(folder)!r} holds no config.json (written by gpipe train since "
             "gpipe export): run that training on (--resume) for a checkpoint with one"
         )
-    return str(kept)
+    return str(kept), given
 
 
 def init_tokenizer(cfg: Any) -> str:

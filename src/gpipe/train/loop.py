@@ -38,7 +38,7 @@ from gpipe.runfile import lock_line
 from gpipe.schedule import simulate
 from gpipe.train.checkpoints import Checkpoints, Interrupts, truncate_metrics
 from gpipe.train.config import ConfigError, TrainConfig
-from gpipe.train.data import train_batch
+from gpipe.train.data import left_out, train_batch
 from gpipe.train.elastic import RESTARTS, Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
@@ -189,6 +189,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
         if not cfg.data:
             raise  # synthetic data: the settings were checked, so this is a bug
         raise ConfigError(str(exc)) from exc  # (gpipe.data's errors name the file and what is wrong)
+    if process_rank() == 0 and (note := left_out(data, cfg)) is not None:
+        print(note, file=sys.stderr)
     model = make_model(cfg, data)
     losses = make_losses(cfg, data)
     loss_fn, cross_entropy, tokens = losses.loss_fn, losses.cross_entropy, losses.tokens
