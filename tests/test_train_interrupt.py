@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,13 +127,13 @@ def test_second_run_on_a_live_out_is_refused_naming_the_first(
         code = main(["--out", str(tmp_path), "--steps", "1", "--no-progress"])
         assert code == 2
         err = capsys.readouterr().err
-        assert f"PID {first.pid}" in err and "another gpipe train" in err
+        assert f"PID {first.pid} on {socket.gethostname()}" in err and "another gpipe train" in err
     finally:
         first.kill()
         first.wait()
     # The kernel released the lock with the process: a new run takes it.
     with one_run(tmp_path):
-        assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+        assert (tmp_path / ".lock").read_text().split() == [str(os.getpid()), socket.gethostname()]  # (PID HOST)
     start = time.monotonic()
     with one_run(tmp_path):
         pass
