@@ -113,8 +113,8 @@ def trial_record(folder: Path) -> dict[str, Any]:
 
 
 def _running(folder: Path) -> bool:
-    """A live process of gpipe holds the run (:func:`gpipe.runfile.running`; one on another host counts)."""
-    return runfile.running(folder) is not False
+    """A live process of gpipe on this host holds the run (:func:`gpipe.runfile.running`)."""
+    return runfile.running(folder) is True
 
 
 def read_run(folder: Path) -> Run:
