@@ -33,6 +33,13 @@ def _fully_traced(monkeypatch: pytest.MonkeyPatch, module: nn.Module, *args: Any
         return to_sequential(module, *args, **kwargs)
 
 
+def _same_layers(got: nn.Sequential, want: nn.Sequential) -> None:
+    """The same code, and the same checks of the first layer's input (the sizes the trace allows)."""
+    assert [layer.code for layer in got] == [layer.code for layer in want]
+    checks = [layer.get_submodule("_gpipe.inputs") for layer in (got[0], want[0])]
+    assert [(c.shapes, c.constants) for c in checks[:1]] == [(c.shapes, c.constants) for c in checks[1:]]
+
+
 def _hf(kind: str) -> nn.Module:
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=61, n_positions=32,
@@ -67,8 +74,7 @@ def test_a_meta_hf_model_traces_one_block_into_the_layers_of_a_full_trace(
         patch.setattr(block_class, "forward", counted)
         layers = to_sequential(model, **example)
     assert len(traced) == 1  # (every block before the change)
-    full = _fully_traced(monkeypatch, model, **example)
-    assert [layer.code for layer in layers] == [layer.code for layer in full]
+    _same_layers(layers, _fully_traced(monkeypatch, model, **example))
     assert not any("stand_in" in layer.code for layer in layers)
 
 
@@ -84,12 +90,15 @@ class _Notes:
 class _Block(nn.Module):
     """A linear block noting its traced calls (on fake tensors) in ``notes``; ``columns``: returns
     its output column-major (other strides), ``short``: its first two features only, ``keep``: notes
-    what its ``lin`` returned, which the code after the blocks reads."""
+    what its ``lin`` returned, which the code after the blocks reads; ``pair``: also returns its
+    output's first column."""
 
-    def __init__(self, notes: _Notes, columns: bool = False, short: bool = False, keep: bool = False) -> None:
+    def __init__(
+        self, notes: _Notes, columns: bool = False, short: bool = False, keep: bool = False, pair: bool = False
+    ) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.notes, self.columns, self.short, self.keep = notes, columns, short, keep
+        self.notes, self.columns, self.short, self.keep, self.pair = notes, columns, short, keep, pair
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, torch._subclasses.FakeTensor):
@@ -99,6 +108,8 @@ class _Block(nn.Module):
             self.notes.values.append(y)
         if self.columns:
             y = y.t().contiguous().t()
+        if self.pair:
+            return y.relu(), y[:, :1]  # type: ignore[return-value]
         return y[:, :2] if self.short else y.relu()
 
 
@@ -111,9 +122,13 @@ class _Stack(nn.Module):
 
     def forward(self, x: Tensor) -> Any:
         self.notes.values.clear()
+        firsts = []
         for block in self.blocks:
             x = block(x)
-        out = self.head(x)
+            if isinstance(x, tuple):
+                x, first = x
+                firsts.append(first)
+        out = self.head(x) + sum(firsts, torch.zeros(()))
         return (out, torch.stack(self.notes.values).sum(0)) if self.notes.values else out
 
 
@@ -122,8 +137,7 @@ def _check(model: _Stack, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     torch.manual_seed(0)
     layers = to_sequential(model, torch.randn(5, 4))
     traced = [model.notes.traced.get(id(block), 0) for block in model.blocks]
-    full = _fully_traced(monkeypatch, model, torch.randn(5, 4))
-    assert [layer.code for layer in layers] == [layer.code for layer in full]
+    _same_layers(layers, _fully_traced(monkeypatch, model, torch.randn(5, 4)))
     x = torch.randn(7, 4)
     for got, want in zip(torch.utils._pytree.tree_leaves(_run(layers, x)), torch.utils._pytree.tree_leaves(model(x))):
         assert torch.equal(got, want)
@@ -131,8 +145,10 @@ def _check(model: _Stack, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_alike_blocks_are_traced_once_per_kind_of_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first block's input needs no gradient, the others' do: the first two blocks are traced."""
+    """The first block's input needs no gradient, the others' do: the first two blocks are traced.
+    With ``pair``, each block also returns a view unlike any argument (the stand-in's own operator)."""
     assert _check(_Stack(*[{}] * 5), monkeypatch) == [1, 1, 0, 0, 0]
+    assert _check(_Stack(*[{"pair": True}] * 4), monkeypatch) == [1, 1, 0, 0]
 
 
 @pytest.mark.parametrize("odd", [{"columns": True}, {"short": True}])

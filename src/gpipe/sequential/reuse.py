@@ -126,6 +126,20 @@ def _operator() -> Any:
     return stand_in
 
 
+def _contiguous(t: Tensor) -> bool:
+    """Whether ``t`` has a contiguous tensor's strides, as expressions (no guard added): its clone
+    then has them too."""
+    import sympy
+
+    expected, strides = sympy.Integer(1), []
+    for size in reversed([_expr(s) for s in t.shape]):
+        strides.append(expected)
+        expected = expected * size
+    return _expr(t.storage_offset()) == 0 and all(
+        sympy.expand(a - b) == 0 for a, b in zip(reversed(strides), (_expr(s) for s in t.stride()))
+    )
+
+
 def _returned(leaves: list[Any], output: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSpec] | None:
     """A call's output leaves as :class:`_Call` keeps them; None where one is a size (computed
     inside: not answered)."""
@@ -185,13 +199,7 @@ class StandIns:
                 continue
             if any(t.requires_grad != (grad and (t.is_floating_point() or t.is_complex())) for t in made):
                 continue
-            fresh: Any = iter(())
-            if made:
-                with _LOCK:
-                    key = next(_KEYS)
-                    _MADE[key] = made
-                self._keys.append(key)
-                fresh = iter(_operator()(tensors, key))
+            fresh = iter(self._made(made, tensors, grad))
             outs = [leaves[value] if kind == "input" else next(fresh) if kind == "tensor" else value
                     for kind, value in call.outputs]  # fmt: skip
             self.answered.append((path, leaves, spec, call))
@@ -201,6 +209,26 @@ class StandIns:
         if returned is not None:
             self.traced.setdefault(self.group[path], []).append(_Call(path, leaves, spec, *returned))
         return output
+
+    def _made(self, made: list[Tensor], tensors: list[Tensor], grad: bool) -> list[Tensor]:
+        """New tensors like ``made`` (an answering call's outputs), in the call of ``tensors``: each a
+        clone of an argument like it where there is one (an operator of torch's, cheaper to trace),
+        else :func:`_operator`'s."""
+        like = {_meta(t)[:4] + _meta(t)[5:]: t for t in reversed(tensors)}  # (metadata but requires_grad)
+        clones: list[Tensor | None] = []
+        for t in made:
+            source = like.get(_meta(t)[:4] + _meta(t)[5:])
+            same = source is not None and _contiguous(source) and t.requires_grad == (grad and source.requires_grad)
+            clones.append(source.clone() if same and source is not None else None)
+        rest = [t for t, clone in zip(made, clones) if clone is None]
+        if not rest:
+            return [clone for clone in clones if clone is not None]
+        with _LOCK:
+            key = next(_KEYS)
+            _MADE[key] = rest
+        self._keys.append(key)
+        others = iter(_operator()(tensors, key))
+        return [clone if clone is not None else next(others) for clone in clones]
 
     def faithful(self, read_inside: Callable[[str], bool]) -> bool:
         """Whether the export is the one without stand-ins: the code after a block whose call
