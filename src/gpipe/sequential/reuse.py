@@ -129,15 +129,13 @@ def _operator() -> Any:
 def _contiguous(t: Tensor) -> bool:
     """Whether ``t`` has a contiguous tensor's strides, as expressions (no guard added): its clone
     then has them too."""
-    import sympy
-
-    expected, strides = sympy.Integer(1), []
+    expected: Any = 1
+    strides = []
     for size in reversed([_expr(s) for s in t.shape]):
         strides.append(expected)
         expected = expected * size
-    return _expr(t.storage_offset()) == 0 and all(
-        sympy.expand(a - b) == 0 for a, b in zip(reversed(strides), (_expr(s) for s in t.stride()))
-    )
+    differences = [a - b for a, b in zip(reversed(strides), (_expr(s) for s in t.stride()))]
+    return _expr(t.storage_offset()) == 0 and all((d if isinstance(d, int) else d.expand()) == 0 for d in differences)
 
 
 def _returned(leaves: list[Any], output: Any) -> tuple[list[tuple[str, Any]], pytree.TreeSpec] | None:
@@ -190,45 +188,51 @@ class StandIns:
         """A block's forward in the export: an alike block's traced call's outputs, where one
         matches the call; else the block's own forward, traced, and kept for later calls."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        meta = [_meta(leaf) for leaf in leaves]
         tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)  # (the operator's outputs')
+        with torch._C.DisableTorchFunction():  # (metadata read directly, not through the export's handlers)
+            found = self._match(path, leaves, spec, tensors)
+        if found is None:
+            output = type(block).forward(block, *args, **kwargs)
+            returned = _returned(leaves, output)
+            if returned is not None:
+                self.traced.setdefault(self.group[path], []).append(_Call(path, leaves, spec, *returned))
+            return output
+        call, sources = found
+        made = [value for kind, value in call.outputs if kind == "tensor"]
+        rest = [t for t, source in zip(made, sources) if source is None]
+        others: Any = iter(())
+        if rest:
+            with _LOCK:
+                key = next(_KEYS)
+                _MADE[key] = rest
+            self._keys.append(key)
+            others = iter(_operator()(tensors, key))
+        fresh = iter([source.clone() if source is not None else next(others) for source in sources])
+        outs = [leaves[value] if kind == "input" else next(fresh) if kind == "tensor" else value
+                for kind, value in call.outputs]  # fmt: skip
+        self.answered.append((path, leaves, spec, call))
+        return pytree.tree_unflatten(outs, call.out_spec)
+
+    def _match(
+        self, path: str, leaves: list[Any], spec: pytree.TreeSpec, tensors: list[Tensor]
+    ) -> tuple[_Call, list[Tensor | None]] | None:
+        """The traced call of an alike block that answers this call (the same argument structure
+        and :func:`_meta`, its sizes as known now, and outputs needing a gradient as the answer's
+        will), and for each of its output tensors an argument whose clone is like it (None: the
+        stand-in operator makes it); None where no call answers."""
+        meta = [_meta(leaf) for leaf in leaves]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)  # (the answer's outputs')
         for call in self.traced.get(self.group[path], []):
             made = [value for kind, value in call.outputs if kind == "tensor"]
-            if call.spec != spec or [_meta(leaf) for leaf in call.leaves] != meta:  # (its sizes as known now)
+            if call.spec != spec or [_meta(leaf) for leaf in call.leaves] != meta:
                 continue
             if any(t.requires_grad != (grad and (t.is_floating_point() or t.is_complex())) for t in made):
                 continue
-            fresh = iter(self._made(made, tensors, grad))
-            outs = [leaves[value] if kind == "input" else next(fresh) if kind == "tensor" else value
-                    for kind, value in call.outputs]  # fmt: skip
-            self.answered.append((path, leaves, spec, call))
-            return pytree.tree_unflatten(outs, call.out_spec)
-        output = type(block).forward(block, *args, **kwargs)
-        returned = _returned(leaves, output)
-        if returned is not None:
-            self.traced.setdefault(self.group[path], []).append(_Call(path, leaves, spec, *returned))
-        return output
-
-    def _made(self, made: list[Tensor], tensors: list[Tensor], grad: bool) -> list[Tensor]:
-        """New tensors like ``made`` (an answering call's outputs), in the call of ``tensors``: each a
-        clone of an argument like it where there is one (an operator of torch's, cheaper to trace),
-        else :func:`_operator`'s."""
-        like = {_meta(t)[:4] + _meta(t)[5:]: t for t in reversed(tensors)}  # (metadata but requires_grad)
-        clones: list[Tensor | None] = []
-        for t in made:
-            source = like.get(_meta(t)[:4] + _meta(t)[5:])
-            same = source is not None and _contiguous(source) and t.requires_grad == (grad and source.requires_grad)
-            clones.append(source.clone() if same and source is not None else None)
-        rest = [t for t, clone in zip(made, clones) if clone is None]
-        if not rest:
-            return [clone for clone in clones if clone is not None]
-        with _LOCK:
-            key = next(_KEYS)
-            _MADE[key] = rest
-        self._keys.append(key)
-        others = iter(_operator()(tensors, key))
-        return [clone if clone is not None else next(others) for clone in clones]
+            like = {_meta(t)[:4] + _meta(t)[5:]: t for t in reversed(tensors) if _contiguous(t)}  # (but grad)
+            sources = [like.get(_meta(t)[:4] + _meta(t)[5:]) for t in made]
+            return call, [s if s is not None and t.requires_grad == (grad and s.requires_grad) else None
+                          for s, t in zip(sources, made)]  # fmt: skip
+        return None
 
     def faithful(self, read_inside: Callable[[str], bool]) -> bool:
         """Whether the export is the one without stand-ins: the code after a block whose call
