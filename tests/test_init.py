@@ -27,6 +27,7 @@ from gpipe.train.data import train_batch
 from gpipe.train.setup import make_data, make_model
 from tests import pretrained_dirs
 from tests.dist_harness import POOL, Pool
+from tests.host_reads import counting
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -79,7 +80,12 @@ def test_each_stage_reads_its_share_and_the_logits_are_from_pretrained(folders: 
         cfg.check()
         data = make_data(cfg)
         layers = make_model(cfg, data)
-        pipe = Pipeline(layers, balance_by_flops(k, layers, ids[:2]), chunks=2, devices=["cpu"] * k)
+        computed = sum(1 for layer in layers for _, b in layer.named_buffers() if b.is_floating_point())
+        balance = balance_by_flops(k, layers, ids[:2])
+        with counting() as reads:
+            pipe = Pipeline(layers, balance, chunks=2, devices=["cpu"] * k)
+        # what was read from the files is written once: neither filled with NaN first nor read back
+        assert sum(n for line, n in reads.items() if line.startswith("runtime/partition.py")) <= computed
         torch.testing.assert_close(_logits(pipe, ids), expected, rtol=0, atol=1e-5, msg=f"K={k}")
         if kind != "llama" and k > 1:  # the tied head, on the last stage, holds the first stage's embeddings
             parts = list(pipe.partitions.values())

@@ -269,6 +269,11 @@ class _AdapterInit:
     def reads_shards(self) -> bool:
         return bool(getattr(self.init, "reads_shards", False))
 
+    def fills(self, layer: nn.Module) -> list[str]:
+        """What the first overwrites whole (``gpipe.runtime.partition``)."""
+        said = getattr(self.init, "fills", None)
+        return list(said(layer)) if callable(said) else []
+
     def __call__(self, layer: nn.Module) -> None:
         with initialized(p for name, p in layer.named_parameters() if _is_lora(name)):
             if self.init is not None:

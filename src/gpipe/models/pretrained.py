@@ -277,6 +277,12 @@ class Loader:
     def __init__(self, source: Source, then: Callable[[nn.Module], None] | None) -> None:
         self.source, self.then = source, then
 
+    def fills(self, layer: nn.Module) -> list[str]:
+        """The tensors of ``layer`` it overwrites whole, by name: those the folder holds (their
+        shapes checked by :func:`plan`; a DTensor's local shard whole). The pipeline neither fills
+        them with NaN first nor checks them after (``gpipe.runtime.partition``)."""
+        return [name for name in layer.state_dict(keep_vars=True) if name in self.source.names]
+
     def __call__(self, layer: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
 

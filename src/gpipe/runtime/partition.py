@@ -240,10 +240,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _written_whole(layer: nn.Module, init: Callable[[nn.Module], None]) -> set[int]:
+    """The tensors of ``layer`` (by ``id``) that ``init`` says it overwrites whole: the names (as
+    in ``layer.state_dict()``) its ``fills(layer)`` returns, if it has one (a loader of pretrained
+    weights: what it copies from the files)."""
+    said = getattr(init, "fills", None)
+    if not callable(said):
+        return set()
+    tensors = layer.state_dict(keep_vars=True)
+    return {id(tensors[name]) for name in said(layer) if name in tensors}
+
+
 def _initialized_by(init: Callable[[nn.Module], None], layer: nn.Module, index: int) -> None:
     """Run ``init(layer)`` on fresh storage, and fail naming what it left unwritten (filled with
-    NaN first: uninitialized memory must not train silently)."""
-    floats = {n: t for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_floating_point()}
+    NaN first: uninitialized memory must not train silently), but for what the init says it
+    overwrites whole (:func:`_written_whole`: two passes over a pretrained stage's memory spared)."""
+    whole = _written_whole(layer, init)
+    floats = {
+        n: t
+        for n, t in (*layer.named_parameters(), *layer.named_buffers())
+        if t.is_floating_point() and id(t) not in whole
+    }
     with torch.no_grad():
         for t in floats.values():
             _local(t).fill_(float("nan"))

@@ -12,7 +12,10 @@ without glue code:
    symbolic tracing: the Python-level fx tracer cannot run Hugging Face models (their argument
    decorators assign into proxies, their mask builders branch on values), while export runs the
    real Python code on fake tensors and records what it does — control flow resolved, data
-   structures flattened, parameters named.
+   structures flattened, parameters named. The code inside alike blocks (one class, parameters of
+   the same names and shapes, no hooks) is traced once per kind of call: the other calls are
+   answered with what that call returned, checked after the export, as the layers keep nothing of
+   a block's inside (:mod:`~gpipe.sequential.reuse`; a 24-block Llama then traces like a two-block one).
 2. **Keep the blocks as modules.** The repeated blocks (every element of the outermost
    ``ModuleList``/``Sequential`` of same-typed blocks: GPT-2's ``transformer.h.*``, ResNet's
    ``layer1.0`` ... ``layer4.2``) — or the modules named in ``split_points`` — and any batch norm
@@ -47,8 +50,9 @@ stages.
 
 Part of the library: imports torch and :mod:`gpipe.microbatch`, never the applications. The
 export in :mod:`~gpipe.sequential.export`, the coarse graph in :mod:`~gpipe.sequential.glue`, the
-values caught inside the blocks in :mod:`~gpipe.sequential.taps`, the layers' ends in
-:mod:`~gpipe.sequential.layers`, the cut in :mod:`~gpipe.sequential.cut`.
+values caught inside the blocks in :mod:`~gpipe.sequential.taps`, the alike blocks traced once in
+:mod:`~gpipe.sequential.reuse`, the layers' ends in :mod:`~gpipe.sequential.layers`, the cut in
+:mod:`~gpipe.sequential.cut`.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.export import ExportedProgram
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
@@ -75,6 +81,7 @@ from gpipe.sequential.export import (
     unpack,
 )
 from gpipe.sequential.glue import _Coarse
+from gpipe.sequential.reuse import StandIns, alike_blocks
 from gpipe.sequential.taps import _Recorder
 
 __all__ = ["ToSequentialError", "as_layers", "pack", "repeated_blocks", "to_sequential", "unpack"]
@@ -125,15 +132,40 @@ def to_sequential(
     device = _device_of(module, packed)
     if device.type == "meta":  # a model built on the meta device traces on meta inputs
         args, kwargs, packed = pytree.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs, packed))
+    alike = alike_blocks(module, blocks)
+    try:
+        ep, coarse, stand_ins = _trace(module, args, kwargs, blocks, norms, device, alike)
+        faithful = stand_ins.faithful(coarse.read_inside)
+    except Exception:  # (perhaps a stand-in's doing: traced again without them, which raises if it fails too)
+        if not alike:
+            raise
+        faithful = False
+    if not faithful:
+        ep, coarse, _ = _trace(module, args, kwargs, blocks, norms, device, [])  # (every block traced)
+    return _cut(module, ep, coarse, args, kwargs, packed, tail=split_points is None)
+
+
+def _trace(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    blocks: list[str],
+    norms: list[str],
+    device: torch.device,
+    alike: list[list[str]],
+) -> tuple[ExportedProgram, _Coarse, StandIns]:
+    """The export, and its coarse graph: the calls of ``alike`` blocks answered by stand-ins where
+    they can be (:mod:`~gpipe.sequential.reuse`); modules drawing random numbers in the glue kept too."""
+    stand_ins = StandIns(module, alike)
     with _Recorder(module, blocks + norms) as recorder:  # (what the modules inside them return)
-        ep = _export(module, args, kwargs, blocks + norms)
+        ep = _export(module, args, kwargs, blocks + norms, stand_ins)
     drawing = _drawing_outside(ep, set(blocks + norms))
     if drawing:  # modules drawing random numbers in the glue (stochastic depth) run as themselves
         norms = norms + drawing
+        stand_ins = StandIns(module, alike)
         with _Recorder(module, blocks + norms) as recorder:
-            ep = _export(module, args, kwargs, blocks + norms)
-    coarse = _Coarse(module, ep, blocks, norms, device, recorder)
-    return _cut(module, ep, coarse, args, kwargs, packed, tail=split_points is None)
+            ep = _export(module, args, kwargs, blocks + norms, stand_ins)
+    return ep, _Coarse(module, ep, blocks, norms, device, recorder), stand_ins
 
 
 def as_layers(module: Any, sample: Any, microbatches: int = 1) -> Any:

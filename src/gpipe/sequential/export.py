@@ -4,6 +4,7 @@ drawing random numbers outside them, and the packing of a call's arguments into 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,6 +16,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from gpipe.microbatch import as_dicts
+from gpipe.sequential.reuse import StandIns
 
 __all__ = [
     "_WAYS_OUT",
@@ -106,9 +108,15 @@ def _has_tensor(value: Any) -> bool:
     return any(isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(value))
 
 
-def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kept: Sequence[str]) -> ExportedProgram:
+def _export(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    kept: Sequence[str],
+    stand_ins: StandIns | None = None,
+) -> ExportedProgram:
     """Export ``module`` in training mode, every input dimension dynamic, the kept modules' call
-    signatures preserved."""
+    signatures preserved; the calls of alike blocks answered by ``stand_ins`` where they can be."""
 
     def dims(value: Any) -> Any:
         return pytree.tree_map(
@@ -130,9 +138,10 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ke
         for path in kept
     ]
     try:
-        return torch.export.export(
-            module, args, kwargs, dynamic_shapes=dynamic, strict=False, preserve_module_call_signature=tuple(kept)
-        )
+        with stand_ins if stand_ins is not None else contextlib.nullcontext():
+            return torch.export.export(
+                module, args, kwargs, dynamic_shapes=dynamic, strict=False, preserve_module_call_signature=tuple(kept)
+            )
     except ToSequentialError:
         raise
     except Exception as e:  # every kind of tracing failure: name the construct, say the way out

@@ -265,6 +265,11 @@ class _Coarse:
         if missing:
             raise ToSequentialError(f"the split points {missing} are never called by the module's forward")
 
+    def read_inside(self, path: str) -> bool:
+        """Whether the code after a call of kept module ``path`` reads a value computed inside it
+        that the call does not return (:meth:`_find_taps`)."""
+        return any(taps and call.partition("@")[0] == path for call, taps in self.taps.items())
+
     def _find_taps(self) -> None:
         """The tensors computed inside a kept module's call that code outside it reads (the glue, the
         output, another call's arguments) although the call does not return them: the router logits
