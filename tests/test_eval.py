@@ -137,13 +137,14 @@ def test_a_watcher_started_before_the_run_evaluates_each_checkpoint_once_across_
 
 
 def test_a_watcher_of_a_run_killed_for_good_stops_and_one_waiting_for_its_resume_sees_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run killed (SIGKILL) after its first checkpoints: the watcher evaluates what it left, gives it
-    STARTUP_GRACE seconds to start again, says that it is not running and stops; started again with its
-    resume, the watcher looks before the resume takes the lock and follows it; with --wait-for-resume a
-    watcher waits for the resume, and follows it."""
-    from gpipe.evaluator.watch import STARTUP_GRACE
+    STARTUP_GRACE seconds to start again (2 s here), says that it is not running and stops; started again
+    with its resume, the watcher looks before the resume takes the lock and follows it (a grace of 120 s
+    here: however slowly the resume starts); with --wait-for-resume a watcher waits for the resume, and
+    follows it."""
+    from gpipe.evaluator import watch
     from gpipe.saving import complete
 
     run, dead = tmp_path / "run", tmp_path / "dead"
@@ -159,15 +160,17 @@ def test_a_watcher_of_a_run_killed_for_good_stops_and_one_waiting_for_its_resume
         waiting = _gpipe("eval", "--watch", str(run), "--wait-for-resume", "--poll", "1", "--out",
                          str(tmp_path / "waited"), log=tmp_path / "waiting.log")  # fmt: skip
         capsys.readouterr()
+        monkeypatch.setattr(watch, "STARTUP_GRACE", 2.0)
         assert main(["eval", "--watch", str(run), "--poll", "1", "--out", str(dead)]) == 0
         err = capsys.readouterr().err
         assert f"the run in {run} is not running (" in err and f"checkpoint is of step {newest} of 100000" in err, err
         assert f"and its newest checkpoint is evaluated ({passed} older passed over: --all evaluates" in err, err
-        assert f"it may be starting: the watch ends unless it runs again within {STARTUP_GRACE:.0f} s" in err, err
+        assert "it may be starting: the watch ends unless it runs again within 2 s" in err, err
         assert sorted(rows(dead / "metrics.jsonl")) == [newest]
         assert waiting.poll() is None  # (still waiting for the resume)
         trainer = _gpipe("train", "--out", str(run), "--resume", "--steps", str(newest + 2), "--no-progress",
                          log=tmp_path / "train.log")  # fmt: skip
+        monkeypatch.setattr(watch, "STARTUP_GRACE", 120.0)
         assert main(["eval", "--watch", str(run), "--poll", "1", "--out", str(dead)]) == 0  # (before its lock)
         err = capsys.readouterr().err
         assert f"the run's last step, {newest + 2}, is evaluated; stopping" in err and "(no live" not in err, err
