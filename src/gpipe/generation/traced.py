@@ -57,32 +57,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 from gpipe.cache import Cache, LayerCache, layer_cache, using
+from gpipe.generation.ends import INPUTS, PACKED_INPUTS, _add_ends, _keep_last_before_head, _positions, _step
 from gpipe.sequential import repeated_blocks, to_sequential
 
-__all__ = ["INPUTS", "cached_layers"]
-
-INPUTS = ("input_ids", "attention_mask", "position_ids")
-"""The first layer's inputs outside decoding (the traced ones), in their order."""
+__all__ = ["INPUTS", "PACKED_INPUTS", "cached_layers"]
 
 _KINDS = {"full_attention": False, "sliding_attention": True}  # the layer types covered: sliding?
 
 _COVERED = "GPT-2, Llama, Qwen2, Mistral and causal LMs built like them"
 
-_step = threading.local()
-"""Per thread: ``mask``, the 2-D mask of the step the current layer runs (None outside a step);
-``open``, per block in its call, the transformers cache layer it extends and its LayerCache."""
 
-
-def cached_layers(model: nn.Module, *, check: bool = True) -> nn.Sequential:
+def cached_layers(model: nn.Module, *, check: bool = True, packed: bool = False) -> nn.Sequential:
     """``model`` (a transformers causal LM) traced into pipeline layers that decode with caches in
     the layers (see the module docstring): called as they are, the layers take the dict of
     :data:`INPUTS` (or ``input_ids`` alone, or without some of them: masks of ones, positions from 0,
@@ -92,16 +84,26 @@ def cached_layers(model: nn.Module, *, check: bool = True) -> nn.Sequential:
     ``check``: run a left-padded two-row prompt and two steps through the layers and through the
     model's own cached forward, and refuse the model if the logits differ (a model whose code
     between the blocks uses positions or masks in a way not covered here).
+
+    ``packed``: trace for rows of several examples laid end to end (:data:`PACKED_INPUTS`): without
+    an attention mask, so that transformers' own mask builder finds where ``position_ids`` restart
+    and lets no example attend to another (``find_packed_sequence_indices``, the block-diagonal
+    causal mask every attention implementation gets). The same layers, names and weights; they
+    decode as the others do (a step's mask reaches the blocks through their hooks).
     """
     config = _covered(model)
     blocks = repeated_blocks(model)
     specs = [_spec(model, path, config) for path in blocks]
     ids, mask = _example(model, config)
-    layers = to_sequential(model, input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    if packed:  # (two examples in the second row: what the positions say, the trace does not depend on)
+        starts = torch.tensor([[0, 1, 2], [0, 1, 0]], device=ids.device)
+        layers = to_sequential(model, input_ids=ids, position_ids=starts)
+    else:
+        layers = to_sequential(model, input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
     for path, spec in zip(blocks, specs):
         _hook_block(model.get_submodule(path), spec)
     for i, layer in enumerate(layers):
-        _add_ends(layer, i == 0, i == len(layers) - 1)
+        _add_ends(layer, i == 0, i == len(layers) - 1, packed)
     _keep_last_before_head(model, layers[-1])
     if check:
         _check(model, layers, config)
@@ -210,170 +212,6 @@ def _example(model: nn.Module, config: Any) -> tuple[Tensor, Tensor]:
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     ids = torch.arange(6, device=device).view(2, 3) % int(config.vocab_size)
     return ids, torch.tensor([[0, 1, 1], [1, 1, 1]], device=device)
-
-
-def _positions(mask: Tensor) -> Tensor:
-    """The positions ``generate`` gives a prompt: counted over its tokens, padding at 0."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
-# -- the layers' ends ---------------------------------------------------------------------------------
-def _add_ends(layer: nn.Module, first: bool, last: bool) -> None:
-    """Put a :class:`_StepIn` before the layer's code and a :class:`_StepOut` after it, as calls of
-    modules in its graph (``_gpipe.step_in``, ``_gpipe.step_out``): copies of the layer
-    (``copy.deepcopy``, pickling) keep them, where a GraphModule's copy would drop forward hooks."""
-    assert isinstance(layer, fx.GraphModule)
-    graph = layer.graph
-    entry = next(n for n in graph.nodes if n.op == "placeholder")
-    end = next(n for n in graph.nodes if n.op == "output")
-    layer.add_submodule("_gpipe.step_in", _StepIn(first))
-    layer.add_submodule("_gpipe.step_out", _StepOut(last))
-    with graph.inserting_after(entry):
-        step_in = graph.call_module("_gpipe.step_in", (entry,))
-    entry.replace_all_uses_with(step_in, delete_user_cb=lambda user: user is not step_in)
-    with graph.inserting_before(end):
-        step_out = graph.call_module("_gpipe.step_out", (end.args[0],))
-    end.args = (step_out,)
-    layer.recompile()
-
-
-def _keep_last_before_head(model: nn.Module, layer: nn.Module) -> None:
-    """In a step, let the output head see the last position only, as ``generate`` has it
-    (``logits_to_keep=1``): a ``_gpipe.keep_last`` module before the head's ``linear`` in the last
-    layer's graph. Where no such ``linear`` is found, a step's logits are every new position's."""
-    output_embeddings = getattr(model, "get_output_embeddings", None)
-    weight = getattr(output_embeddings() if callable(output_embeddings) else None, "weight", None)
-    if not isinstance(layer, fx.GraphModule) or not isinstance(weight, Tensor):
-        return
-    graph = layer.graph
-    fetched = [n for n in graph.nodes if n.op == "get_attr" and _attribute(layer, str(n.target)) is weight]
-    uses = [u for n in fetched for u in n.users if u.target is torch.ops.aten.linear.default and u.args[1] is n]
-    if len(uses) != 1:
-        return
-    (linear,) = uses
-    layer.add_submodule("_gpipe.keep_last", _KeepLast())
-    with graph.inserting_before(linear):
-        kept = graph.call_module("_gpipe.keep_last", (linear.args[0],))
-    linear.args = (kept, *linear.args[1:])
-    layer.recompile()
-
-
-def _attribute(layer: nn.Module, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    try:
-        return getattr(layer.get_submodule(owner) if owner else layer, name)
-    except AttributeError:
-        return None
-
-
-class _KeepLast(nn.Module):
-    """The last position of the hidden states ``(rows, positions, hidden)`` in a step; all of them
-    outside decoding."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x[:, -1:] if getattr(_step, "mask", None) is not None else x
-
-
-class _StepIn(nn.Module):
-    """A layer's entry. Outside decoding: the first layer's input completed as the model's forward
-    completes it. In a step: the first layer's step input turned into the traced input (this
-    module's LayerCache keeps the 2-D mask so far and the last position, per row), or the 2-D mask
-    taken off the values a later layer is handed, for its blocks."""
-
-    def __init__(self, first: bool) -> None:
-        super().__init__()
-        self.first = first
-
-    def forward(self, x: Any) -> Any:
-        kept = layer_cache(self)
-        _step.mask = None
-        if kept is None:
-            return _completed(x) if self.first else x
-        if self.first:
-            x, _step.mask = _step_input(kept, x)
-        elif isinstance(x, tuple) and x and isinstance(x[-1], Tensor):
-            x, _step.mask = x[:-1], x[-1]
-        else:
-            raise ValueError(
-                f"a decoding step hands a layer {type(x).__name__}, where the layer before it hands on its values and "
-                "the 2-D mask: run the layers of cached_layers in their order, each step from the first"
-            )
-        return x
-
-
-class _StepOut(nn.Module):
-    """A layer's exit in a step: the 2-D mask handed on after the layer's values; the last
-    layer's logits."""
-
-    def __init__(self, last: bool) -> None:
-        super().__init__()
-        self.last = last
-
-    def forward(self, output: Any) -> Any:
-        mask = getattr(_step, "mask", None)
-        if mask is None:
-            return output
-        _step.mask = None
-        if self.last:
-            return output["logits"] if isinstance(output, Mapping) else output[0]
-        return (*output, mask)
-
-
-def _completed(x: Any) -> Any:
-    """The input outside decoding: ``input_ids`` alone, or a dict lacking the mask (ones) or the
-    positions (0, 1, ... as the model's forward counts them without a cache), as the traced dict."""
-    if isinstance(x, Tensor):
-        x = {"input_ids": x}
-    if not isinstance(x, Mapping) or not isinstance(x.get("input_ids"), Tensor):
-        return x  # the first layer's check names what does not fit
-    ids = x["input_ids"]
-    mask = x.get("attention_mask")
-    positions = x.get("position_ids")
-    if mask is None:
-        mask = torch.ones_like(ids)
-    if positions is None:
-        positions = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
-    rest = {k: v for k, v in x.items() if k not in INPUTS}
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **rest}
-
-
-def _step_input(kept: LayerCache, x: Any) -> tuple[dict[str, Tensor], Tensor]:
-    """The traced input for a step's new tokens, and the 2-D mask so far; the first layer keeps the
-    mask and the last position per row."""
-    if isinstance(x, Tensor):
-        x = {"input_ids": x}
-    if not isinstance(x, Mapping) or not isinstance(x.get("input_ids"), Tensor) or set(x) - {*INPUTS[:2]}:
-        keys = list(x) if isinstance(x, Mapping) else type(x).__name__
-        raise ValueError(
-            f"a decoding step's input is the new tokens (rows, length), or a dict with 'input_ids' and optionally "
-            f"'attention_mask' (got {keys}); positions are counted by the layers"
-        )
-    ids = x["input_ids"]
-    new = x.get("attention_mask")
-    if new is None:
-        new = torch.ones_like(ids)
-    if ids.dim() != 2 or new.shape != ids.shape:
-        raise ValueError(
-            f"a decoding step's input_ids are (rows, length) and its attention_mask alike (input_ids: "
-            f"{tuple(ids.shape)}, attention_mask: {tuple(new.shape)})"
-        )
-    seen = kept.get("mask")
-    if seen is None:  # the prefill: the prompts
-        positions = _positions(new)
-        whole = new.bool()
-    else:
-        if seen.shape[0] != ids.shape[0]:
-            raise ValueError(
-                f"a decoding step gives {ids.shape[0]} rows where the group's cache holds {seen.shape[0]}: keep the "
-                "rows that go on with Cache.reorder(rows) before the step (beam search, finished sequences)"
-            )
-        last = kept.get("position")
-        assert last is not None
-        positions = last + 1 + torch.arange(ids.shape[1], device=last.device)
-        whole = torch.cat([seen, new.to(seen.device, torch.bool)], dim=-1)
-    kept.set("mask", whole)
-    kept.set("position", positions[:, -1:])
-    return {"input_ids": ids, "attention_mask": new, "position_ids": positions}, whole
 
 
 # -- the blocks -----------------------------------------------------------------------------------------
