@@ -31,6 +31,7 @@ from gpipe.data.text import Tokenizer
 from gpipe.data.vocab import Vocab
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "TOKENIZER",
     "TOKENIZER_CONFIG",
     "VOCAB",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 VOCAB, TOKENIZER, TOKENIZER_CONFIG = "vocab.model", "tokenizer.json", "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"  # beside a tokenizer.json: its chat template, as save_pretrained writes it
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _WORD = "\u2581"  # "▁": SentencePiece's mark of a word's start
 
@@ -65,9 +67,20 @@ class HFTokenizer:
     """A local ``tokenizer.json`` (or the folder holding one) as transformers'
     ``PreTrainedTokenizerFast``, its special tokens named by the ``tokenizer_config.json`` beside it.
     A :class:`ValueError`, naming ``flag`` and the file, if it cannot be read, names no ``eos_token``
-    (a document ends with it), or names a special token that is not one of its tokens."""
+    (a document ends with it), or names a special token that is not one of its tokens.
 
-    def __init__(self, path: str | os.PathLike[str], *, flag: str = "--tokenizer") -> None:
+    Its chat template (:attr:`chat_template`, what chat records are rendered with): ``chat_template``
+    (a Jinja file, ``--chat-template``), else the :data:`CHAT_TEMPLATE` file beside it, else the
+    ``chat_template`` of its ``tokenizer_config.json``; None where there is none. A checkpoint keeps
+    it as :data:`CHAT_TEMPLATE`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        flag: str = "--tokenizer",
+        chat_template: str | os.PathLike[str] | None = None,
+    ) -> None:
         given = Path(path)
         self.path = given / TOKENIZER if given.is_dir() else given
         if not self.path.is_file():
@@ -91,6 +104,9 @@ class HFTokenizer:
                 )
         self.files = {TOKENIZER: self.path, **({TOKENIZER_CONFIG: config} if config.is_file() else {})}
         self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(self.path), **specials)
+        self.chat_template = self._chat_template(config, chat_template)
+        if self.chat_template is not None:
+            self.tokenizer.chat_template = self.chat_template  # (what an export's tokenizer keeps)
         if self.eos is None:
             added = [t.content for t in raw.get_added_tokens_decoder().values() if t.special]
             hint = f" (its special tokens: {', '.join(map(repr, added[:8]))})" if added else ""
@@ -99,6 +115,23 @@ class HFTokenizer:
                 f'{TOKENIZER_CONFIG} beside it naming it, {{"eos_token": "..."}} (and "bos_token" if documents '
                 "start with one), as save_pretrained writes it"
             )
+
+    def _chat_template(self, config: Path, given: str | os.PathLike[str] | None) -> str | None:
+        file = Path(given) if given is not None else self.path.parent / CHAT_TEMPLATE
+        if given is not None or file.is_file():
+            try:
+                template = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                flag = "--chat-template" if given is not None else "the chat template"
+                raise ValueError(f"cannot read {flag} {str(file)!r}: {exc}") from None
+            self.files[CHAT_TEMPLATE] = file
+            return template
+        if not config.is_file():
+            return None
+        found = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(found, list):  # (named templates: the default one)
+            found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+        return found if isinstance(found, str) else None
 
     @property
     def size(self) -> int:
@@ -140,14 +173,22 @@ def _special_tokens(config: Path) -> dict[str, str]:
     return found
 
 
-def load(path: str | os.PathLike[str], *, flag: str = "--tokenizer") -> Vocab | HFTokenizer:
-    """``--tokenizer``: a SentencePiece ``.model``, else a ``tokenizer.json`` or its folder."""
+def load(
+    path: str | os.PathLike[str], *, flag: str = "--tokenizer", chat_template: str | os.PathLike[str] | None = None
+) -> Vocab | HFTokenizer:
+    """``--tokenizer``: a SentencePiece ``.model``, else a ``tokenizer.json`` or its folder (with
+    ``chat_template``, a Jinja file, as its chat template)."""
+    if chat_template is not None and Path(path).suffix == ".model":
+        raise ValueError(
+            f"--chat-template renders chats with a transformers tokenizer; {flag} {str(path)!r} is a SentencePiece "
+            "model: give a tokenizer.json (or its folder)"
+        )
     if Path(path).suffix == ".model":
         try:
             return Vocab(path)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
-    return HFTokenizer(path, flag=flag)
+    return HFTokenizer(path, flag=flag, chat_template=chat_template)
 
 
 def checkpoint_files(tokenizer: Tokenizer) -> dict[str, Path]:
