@@ -186,7 +186,10 @@ def _shareable(pipe: Pipeline, inputs: Any, target: Tensor, ignore: int) -> tupl
     def grow(t: Tensor) -> Tensor:
         return torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
 
-    grown = tuple(grow(t) for t in inputs) if isinstance(inputs, tuple) else grow(inputs)
+    if isinstance(inputs, dict):  # (packed rows: their ids and positions)
+        grown: Any = {k: grow(t) for k, t in inputs.items()}
+    else:
+        grown = tuple(grow(t) for t in inputs) if isinstance(inputs, tuple) else grow(inputs)
     return grown, torch.cat([target, target.new_full((extra, *target.shape[1:]), ignore)])
 
 
@@ -218,7 +221,7 @@ def _batches(
                 correct.append((logits.argmax(-1) == held.target).float().mean())
             if cross_entropy is not None:
                 total += cross_entropy(logits, held.target, reduction="sum").detach().double().cpu()
-                tokens += int((held.target != PAD).sum())
+                tokens += int((held.target != getattr(data, "ignore_index", PAD)).sum())
     result = {"eval_loss": float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))}
     if images:
         result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
@@ -235,7 +238,7 @@ def _replicated_batches(
     that are not padding, or images), correct images and cross-entropy sum, added up over the
     replicas; a batch's loss is then its item mean, as one replica of the whole batch computes it."""
     images = data.unit == "images"
-    ignore = -100 if images else PAD  # (the training loss's ignore_index, see gpipe.train.loop)
+    ignore = -100 if images else getattr(data, "ignore_index", PAD)  # (the training loss's, gpipe.train.setup)
     rows: list[Tensor] = []
     for i in range(batches):
         held = data.batch(batch, i, split="eval")

@@ -3,6 +3,7 @@
     gpipe generate --checkpoint runs/lm < prompts.txt > continuations.txt
     echo "the cat" | gpipe generate --checkpoint runs/lm --max-new-tokens 20
     gpipe generate --checkpoint runs/lm --input prompts.txt --beam 4
+    echo "where is the cat?" | gpipe generate --checkpoint runs/chat --chat --system "Answer briefly."
     gpipe generate --checkpoint runs/lm --input prompts.txt --sample --temperature 0.8 --top-p 0.9 --seed 1
     torchrun --nproc-per-node 2 -m gpipe generate --checkpoint runs/lm --partitions 2 --input prompts.txt
 
@@ -12,7 +13,9 @@ model's ``config.json`` and the run's tokenizer beside the weights, which load i
 stages whatever the number the run trained with.
 
 Input: one prompt a line (stdin, or ``--input``), read with the run's tokenizer as training read a
-document (its start token first, when it has one); a blank line is refused. Output: each prompt's
+document (its start token first, when it has one); a blank line is refused. With ``--chat`` each line
+is a user's turn (after a system turn, ``--system TEXT``), rendered with the run's chat template and
+its generation prompt, as training rendered chats: the model writes the assistant's answer. Output: each prompt's
 continuation on the same line number (stdout, or ``--output``, written whole or not at all): the new
 tokens only, up to the end-of-document token, as text (a line break in it reads as a space, so that
 line numbers stay aligned). ``--max-new-tokens``: at most that many, and a prompt that leaves too
@@ -175,11 +178,20 @@ class Generator:
             return self.pipe
         from gpipe.data.tokenizer import _transformers
         from gpipe.generation.traced import cached_layers
+        from gpipe.models.lora import LORA, add_adapters, read_lora
 
         with torch.device("meta"):
             model = _transformers().AutoModelForCausalLM.from_config(
                 self.config, trust_remote_code=False, dtype=torch.float32
             )
+        if (self.folder / LORA).is_file():  # a run with --lora: its checkpoints hold the adapters beside the weights
+            try:
+                settings = read_lora(self.folder)
+                names = settings.target_modules
+                targets = [names] if isinstance(names, str) else sorted(names or [])
+                add_adapters(model, rank=int(settings.r), targets=targets, alpha=settings.lora_alpha)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         try:
             layers = cached_layers(model)
         except ValueError as exc:
@@ -196,15 +208,28 @@ class Generator:
         self.pipe.eval()
         return self.pipe
 
-    def encode(self, lines: Sequence[str], options: Options, *, where: str = "the input") -> list[list[int]]:
-        """Each line's prompt ids (the tokenizer's start token, then the text's); a
+    def encode(
+        self, lines: Sequence[str], options: Options, *, where: str = "the input", chat: bool = False,
+        system: str | None = None,
+    ) -> list[list[int]]:  # fmt: skip
+        """Each line's prompt ids (the tokenizer's start token, then the text's; with ``chat``, the
+        line as a user's turn after ``system``'s, rendered with the run's chat template); a
         :class:`UsageError` naming the first line that is blank or too long for the model's
         positions with ``options.max_new_tokens`` new tokens (without: one)."""
         start = [] if self.tokenizer.bos is None else [self.tokenizer.bos]
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 raise UsageError(f"line {number} of {where} is empty: give one prompt a line, none blank")
-        prompts = [[*start, *ids] for ids in self.tokenizer.encode_lines(list(lines))]
+        if chat:
+            from gpipe.data.chat import Encoder
+
+            encoder, first = Encoder(self.tokenizer), [("system", system)] if system else []
+            try:
+                prompts = [encoder.prompt([*first, ("user", line)]) for line in lines]
+            except ValueError as exc:  # (no template; a template that refuses the turns)
+                raise UsageError(f"--chat: {exc}") from None
+        else:
+            prompts = [[*start, *ids] for ids in self.tokenizer.encode_lines(list(lines))]
         most, new = self.positions, options.max_new_tokens or 1
         for number, ids in enumerate(prompts, 1):
             if most is None or len(ids) + new <= most:
@@ -319,6 +344,10 @@ def _parser() -> ArgumentParser:
     )
     parser.add_argument("--seed", type=int, help="--sample: each prompt's own random stream (default: unseeded)")
     parser.add_argument("--batch", type=int, default=16, help="prompts per group (default: 16)")
+    parser.add_argument(
+        "--chat", action="store_true", help="each line a user's turn, rendered with the run's chat template"
+    )
+    parser.add_argument("--system", metavar="TEXT", help="--chat: a system turn before each user's")
     add_stage_flags(parser, "groups of prompts in flight")
     return parser
 
@@ -335,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = Options(max_new_tokens=args.max_new_tokens, beam=args.beam, sample=args.sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)  # fmt: skip
         options.check()
+        if args.system is not None and not args.chat:
+            raise UsageError("--system adds a system turn to --chat's prompts: give --chat too, or leave it out")
         if world > 1 and partitions != world:
             raise UsageError(f"--partitions {partitions} differs from the {world} processes of torchrun")
         if args.input is not None and not Path(args.input).is_file():
@@ -353,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except UnicodeDecodeError as exc:
                 raise UsageError(f"{args.input or 'standard input'} is not UTF-8 text: {exc}") from None
         where = f"--input {args.input!r}" if args.input is not None else "standard input"
-        prompts = generator.encode(lines, options, where=where)
+        prompts = generator.encode(lines, options, where=where, chat=args.chat, system=args.system)
         texts = generator.generate(prompts, options, batch=args.batch, groups=args.groups, progress=not args.quiet)
         if not dist.is_initialized() or dist.get_rank() == 0:
             _write(args.output, [t + "\n" for t in texts])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,19 +95,28 @@ def default_config(vocab: int, positions: int, dropout: float, *, bos: int | Non
     )  # (no pad_token_id: padding comes after a sequence's last token, and a causal LM never sees it)
 
 
-def pipeline_layers(model: nn.Module, sample: Tensor) -> nn.Sequential:
+def pipeline_layers(model: nn.Module, sample: Any, *, packed: bool = False) -> nn.Sequential:
     """``model``'s pipeline layers: :func:`gpipe.generation.traced.cached_layers`' (which also
     generate, with key/value caches in the stages), or, for a model it does not cover,
     :func:`gpipe.to_sequential`'s on ``sample``, with the reason as ``cannot_generate``. Both are the
-    same layers, with the same names, computing the same forward: a checkpoint loads into either."""
+    same layers, with the same names, computing the same forward: a checkpoint loads into either.
+
+    ``packed``: for rows of examples laid end to end (``sample`` the dict of ``input_ids`` and
+    ``position_ids``): ``cached_layers(model, packed=True)``, refused for a model it does not cover."""
     from gpipe.generation.traced import cached_layers
     from gpipe.sequential import to_sequential
 
+    if packed:
+        return _marked(cached_layers(model, packed=True))
     try:
         layers = cached_layers(model)
     except ValueError as exc:
         layers = to_sequential(model, sample)
         layers.cannot_generate = str(exc)  # type: ignore[assignment]  # (a plain attribute, as cached_layers' generation)
+    return _marked(layers)
+
+
+def _marked(layers: nn.Sequential) -> nn.Sequential:
     if len(layers) < 3:  # (a one-block model traced into fewer layers: the ratio's blocks are the fallback's)
         return layers
     return mark_blocks(layers, 1, len(layers) - 2)  # (the gradient-norm ratio: the first and last blocks)
@@ -191,6 +201,38 @@ def _small_vocabulary(config: Any) -> None:
         ids = value if isinstance(value, list) else [value]
         if any(isinstance(i, int) and i >= _PROBE_VOCAB for i in ids):
             setattr(config, name, None)
+
+
+@torch.no_grad()
+def check_packing(config: Any) -> None:
+    """A :class:`ValueError` unless the model of ``config`` keeps examples laid end to end in a row
+    apart, as ``--pack`` needs: tried on a real one-block copy (as :func:`build` tries causality),
+    two examples in a row against each alone. transformers' mask builder does so for the models
+    whose attention masks it builds, from where ``position_ids`` restart."""
+    transformers = _transformers()
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = 1
+    _small_vocabulary(probe)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False).eval()
+    vocab = int(probe.vocab_size)
+    a, b = torch.arange(3).view(1, 3) % vocab, (torch.arange(4).view(1, 4) * 5 + 1) % vocab
+    positions = torch.cat([torch.arange(3), torch.arange(4)]).view(1, 7)
+    kept = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        packed = model(torch.cat([a, b], 1), position_ids=positions, **kept).logits
+        alone = torch.cat([model(a, **kept).logits, model(b, **kept).logits], 1)
+    except TypeError as exc:  # (a forward without position_ids)
+        raise ValueError(
+            f"the {config.model_type!r} model takes no position ids, so rows cannot be packed ({exc})"
+        ) from None
+    if not torch.allclose(packed, alone, atol=1e-5):
+        raise ValueError(
+            f"the {config.model_type!r} model lets examples laid end to end in a row attend to each other (its "
+            "attention is not masked where position_ids restart), so packed rows would not train as the examples "
+            "alone; leave --pack out"
+        )
 
 
 @torch.no_grad()

@@ -79,6 +79,7 @@ _GROUPS = {
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
                  "precision", "seed"),
     "data": ("data", "temperature", "vocab", "vocab_size", "tokenizer", "max_length", "workers", "augment"),
+    "instruction data": ("pack", "train_on_prompt", "chat_template", "skip_bad"),
     "evaluation": ("eval_every", "health_every", "eval_batches", "eval_sentences", "beam", "length_penalty"),
     "output": ("out", "resume", "overwrite", "checkpoint_every", "keep", "async_checkpoint", "progress",
                "tensorboard"),
@@ -87,7 +88,7 @@ _GROUPS = {
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
              "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",
              "checkpoint": "MODE", "devices": "DEVICES", "tensorboard": "MODE", "on_nonfinite": "{stop,skip}",
-             "timeout": "SECONDS", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
+             "timeout": "SECONDS", "chat_template": "PATH", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:

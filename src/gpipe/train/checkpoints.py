@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
+from gpipe.data.instruct import InstructionData
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf, lora
@@ -80,7 +81,7 @@ class Checkpoints:
         if self.guard is not None:
             guard = self.guard()
             extra["guard.json"] = lambda p: p.write_text(guard)
-        if isinstance(data, (TextLines, PreparedText)):
+        if isinstance(data, (TextLines, PreparedText, InstructionData)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)
         return extra

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.commands.args import UsageError
+from gpipe.data.records import is_records
 from gpipe.distributed.devices import choose_devices
 from gpipe.saving import CheckpointError, latest
 
@@ -27,6 +28,7 @@ __all__ = [
     "devices_error",
     "flag",
     "newest_checkpoint",
+    "shape_error",
     "typed",
 ]
 
@@ -131,11 +133,47 @@ def data_flags_error(cfg: Any) -> str | None:
             f"(--max-length {cfg.max_length}): --data-parallel {cfg.data_parallel} must divide {ROWS} and --chunks "
             f"{cfg.chunks} x --data-parallel {cfg.data_parallel} be at most {rows}"
         )
+    records = [name for name in ("pack", "train_on_prompt", "chat_template", "skip_bad") if getattr(cfg, name)]
+    if records and not (cfg.model == "hf" and cfg.data and is_records(cfg.data)):
+        return (
+            f"--{flag(records[0])} is for instruction or chat records, --model hf --data FILE.jsonl (or a folder of "
+            f"them) (model: {cfg.model!r}, data: {cfg.data!r}); give such --data, or leave it out"
+        )
     if cfg.augment and not (cfg.model == "amoebanet" and cfg.data):
         return (
             f"--augment crops and flips the images of --model amoebanet --data FOLDER or .npz (model: {cfg.model!r}, "
             f"data: {cfg.data!r}); give both, or leave --augment out"
         )
+    return None
+
+
+def shape_error(cfg: Any) -> str | None:
+    """What is wrong with the sizes of ``cfg``'s model (a ``TrainConfig``) on their own, if anything:
+    ``--layers``, ``--keep``, ``--vocab-size``, ``--classes``, ``--head-dim`` and ``--dim``, and the
+    flags of one model given to another."""
+    if cfg.layers < 0:
+        return f"--layers must be positive, or 0 for the model's default (got {cfg.layers})"
+    if cfg.keep < 0:
+        return f"--keep must be a number of checkpoints, or 0 to keep all (got {cfg.keep})"
+    if cfg.vocab_size < 0:
+        return f"--vocab-size must be positive, or 0 for as many as the text supports (got {cfg.vocab_size})"
+    if cfg.classes < 2:
+        return f"--classes must be at least 2 (got {cfg.classes})"
+    if cfg.head_dim < 0:
+        return f"--head-dim must be positive, or 0 for --dim / --heads (got {cfg.head_dim})"
+    if cfg.dim % cfg.heads and not cfg.head_dim:
+        return f"--dim must be a multiple of --heads (dim: {cfg.dim}, heads: {cfg.heads}), or give --head-dim"
+    if cfg.reference_cells and cfg.model != "amoebanet":
+        return f"--reference-cells builds the cells of --model amoebanet (model: {cfg.model!r}); leave it out"
+    if cfg.transparent and cfg.model != "transformer":
+        return (
+            f"--transparent mixes the encoder layers of --model transformer for its decoder (model: "
+            f"{cfg.model!r}); leave --transparent out, or use --model transformer"
+        )
+    if cfg.model == "amoebanet" and cfg.filters < 4:
+        return f"--filters must be at least 4 (got {cfg.filters})"
+    if cfg.model == "amoebanet" and cfg.image_size < 4:
+        return f"--image-size must be at least 4 (got {cfg.image_size})"
     return None
 
 

@@ -25,6 +25,7 @@ from gpipe.train.checks import (
     devices_error,
     flag,
     newest_checkpoint,
+    shape_error,
     typed,
 )
 from gpipe.train.initial import hf_config_path, model_flags_error
@@ -254,7 +255,24 @@ class TrainConfig:
         metadata={"help": "amoebanet, --data FOLDER or .npz: random-resized crops and horizontal flips, seeded"},
     )
     max_length: int = field(
-        default=64, metadata={"help": "--data FOLDER: most tokens of a side; longer pairs are left out of training"}
+        default=64,
+        metadata={
+            "help": "--data FOLDER: most tokens of a side, longer pairs left out; hf, --data FILE.jsonl: of a row "
+            "(longer records lose their prompt's first tokens)"
+        },
+    )
+    pack: bool = field(
+        default=False,
+        metadata={"help": "hf, --data FILE.jsonl: lay the examples end to end in rows of --max-length tokens"},
+    )
+    train_on_prompt: bool = field(
+        default=False, metadata={"help": "hf, --data FILE.jsonl: the loss counts every token, not the answers' only"}
+    )
+    chat_template: str = field(
+        default="", metadata={"help": "hf, --data FILE.jsonl: a Jinja chat template ('': the tokenizer's own)"}
+    )
+    skip_bad: bool = field(
+        default=False, metadata={"help": "hf, --data FILE.jsonl: leave out and count bad records, not refuse them"}
     )
     eval_every: int = field(
         default=50,
@@ -396,35 +414,8 @@ class TrainConfig:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
         if (error := data_flags_error(self) or devices_error(self)) is not None:
             raise ConfigError(error)
-        if self.layers < 0:
-            raise ConfigError(f"--layers must be positive, or 0 for the model's default (got {self.layers})")
-        if self.keep < 0:
-            raise ConfigError(f"--keep must be a number of checkpoints, or 0 to keep all (got {self.keep})")
-        if self.vocab_size < 0:
-            raise ConfigError(
-                f"--vocab-size must be positive, or 0 for as many as the text supports (got {self.vocab_size})"
-            )
-        if self.classes < 2:
-            raise ConfigError(f"--classes must be at least 2 (got {self.classes})")
-        if self.head_dim < 0:
-            raise ConfigError(f"--head-dim must be positive, or 0 for --dim / --heads (got {self.head_dim})")
-        if self.dim % self.heads and not self.head_dim:
-            raise ConfigError(
-                f"--dim must be a multiple of --heads (dim: {self.dim}, heads: {self.heads}), or give --head-dim"
-            )
-        if self.reference_cells and self.model != "amoebanet":
-            raise ConfigError(
-                f"--reference-cells builds the cells of --model amoebanet (model: {self.model!r}); leave it out"
-            )
-        if self.transparent and self.model != "transformer":
-            raise ConfigError(
-                f"--transparent mixes the encoder layers of --model transformer for its decoder (model: "
-                f"{self.model!r}); leave --transparent out, or use --model transformer"
-            )
-        if self.model == "amoebanet" and self.filters < 4:
-            raise ConfigError(f"--filters must be at least 4 (got {self.filters})")
-        if self.model == "amoebanet" and self.image_size < 4:
-            raise ConfigError(f"--image-size must be at least 4 (got {self.image_size})")
+        if (error := shape_error(self)) is not None:
+            raise ConfigError(error)
         if (error := model_flags_error(self)) is not None:
             raise ConfigError(error)
         layers, formula = self.model_layers()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe.data import TranslationBatch, TranslationDataset
+from gpipe.data import TranslationDataset
 from gpipe.data.base import ReplicaBatch
 from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import PipelineError, init_from_env, watch_peers
@@ -191,6 +191,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
         raise ConfigError(str(exc)) from exc  # (gpipe.data's errors name the file and what is wrong)
     if process_rank() == 0 and (note := left_out(data, cfg)) is not None:
         print(note, file=sys.stderr)
+    if process_rank() == 0 and callable(summary := getattr(data, "summary", None)) and (said := summary()):
+        print(said, file=sys.stderr)  # (instruction records cut or left out)
     model = make_model(cfg, data)
     losses = make_losses(cfg, data)
     loss_fn, cross_entropy, tokens = losses.loss_fn, losses.cross_entropy, losses.tokens
@@ -287,8 +289,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
                     last["skips"] = guard.skips
                 if tokens:  # the real tokens of the step, and the share of its positions that is padding
                     last["tokens"] = batch.count
-                    if isinstance(batch, (TranslationBatch, ReplicaBatch)) and batch.padding is not None:
-                        last["padding"] = batch.padding
+                    if (padding := getattr(batch, "padding", None)) is not None:  # (pairs, packed or not rows)
+                        last["padding"] = padding
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with precision():  # (the held-out losses of the model as it trains)
                         held_out = evaluate(

@@ -27,8 +27,10 @@ from gpipe.data import (
     TokenDataset,
     tokenizer,
 )
+from gpipe.data.instruct import InstructionData
 from gpipe.data.prepare import train_vocabulary
 from gpipe.data.prepared import PreparedCorpus, PreparedText
+from gpipe.data.records import is_records
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
 from gpipe.distributed import choose_devices
@@ -42,6 +44,7 @@ from gpipe.train.initial import PRETRAINED, init_source, init_tokenizer
 __all__ = [
     "Losses",
     "hf_config",
+    "ignore_index",
     "image_model",
     "make_data",
     "make_losses",
@@ -83,15 +86,21 @@ class Losses:
     tokens: bool
 
 
+def ignore_index(data: Dataset) -> int:
+    """The target the losses of ``data`` leave out: its own ``ignore_index`` (instruction data's -100),
+    else PAD for tokens, -100 (F.cross_entropy's default, no class index) for images."""
+    return int(getattr(data, "ignore_index", PAD if data.unit != "images" else -100))
+
+
 def make_losses(cfg: TrainConfig, data: Dataset) -> Losses:
     """The losses of a run on ``data`` (:class:`Losses`)."""
     tokens = data.unit != "images"
-    ignore = PAD if tokens else -100  # (-100: F.cross_entropy's default, no class index)
+    ignore = ignore_index(data)
     loss_fn: Any = functools.partial(label_smoothing_loss, smoothing=cfg.label_smoothing, ignore_index=ignore)
     cross_entropy: Any = None
     if cfg.model == "hf":  # its last layer returns the model's ModelOutput
         loss_fn = functools.partial(hf.logits_loss, loss_fn)
-        plain = functools.partial(label_smoothing_loss, smoothing=0.0, ignore_index=PAD)
+        plain = functools.partial(label_smoothing_loss, smoothing=0.0, ignore_index=ignore)
         cross_entropy = functools.partial(hf.logits_loss, plain)
     return Losses(loss_fn, cross_entropy, tokens)
 
@@ -117,7 +126,7 @@ def make_pipeline(
         deferred_batch_norm=cfg.model == "amoebanet",
         schedule=cfg.schedule,
         loss_fn=functools.partial(losses.loss_fn, reduction="sum") if losses.tokens else losses.loss_fn,
-        loss_count=count_tokens(PAD) if losses.tokens else None,
+        loss_count=count_tokens(ignore_index(data)) if losses.tokens else None,
         checkpoint=Selective(save_ops="matmuls", microbatches="except_last")
         if cfg.checkpoint == "matmuls"
         else cfg.checkpoint,
@@ -143,6 +152,10 @@ def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
         if cfg.prepared:  # (gpipe prepare --data TEXT)
             return PreparedText(cfg.data, length=cfg.max_length, seed=cfg.seed)
+        if cfg.data and is_records(cfg.data):  # instruction or chat records
+            reader = _hf_tokenizer(cfg, records=True)
+            return InstructionData(cfg.data, reader, length=cfg.max_length, seed=cfg.seed, pack=cfg.pack,
+                                   train_on_prompt=cfg.train_on_prompt, skip_bad=cfg.skip_bad)  # fmt: skip
         if cfg.data:
             data = text_data(cfg.data, seed=cfg.seed, tokenizer=lambda: _hf_tokenizer(cfg))
             if cfg.tokenizer and not isinstance(data, TextLines):
@@ -256,15 +269,21 @@ def _images(data: Dataset) -> ImageDataset:
     return data
 
 
-def _hf_tokenizer(cfg: TrainConfig) -> Tokenizer:
+def _hf_tokenizer(cfg: TrainConfig, *, records: bool = False) -> Tokenizer:
     """What ``--model hf`` reads a text file with: ``--tokenizer``, else the ``--init`` folder's or
     checkpoint's, else the SentencePiece vocabulary ``OUT/vocab.model``, trained on the file's lines
-    on the first run as ``--data FOLDER``'s is."""
+    on the first run as ``--data FOLDER``'s is. Instruction ``records`` are read with the model's
+    own (``--chat-template`` its chat template)."""
     path = init_tokenizer(cfg)  # (--tokenizer, or the one --init brings)
+    if not path and records:
+        raise ConfigError(
+            f"--data {cfg.data!r} holds instruction records, read with the model's own tokenizer and chat template: "
+            "give --init (a folder save_pretrained wrote, with its tokenizer) or --tokenizer"
+        )
     if not path:
         return _vocab(cfg)
     try:
-        return tokenizer.load(path)
+        return tokenizer.load(path, chat_template=cfg.chat_template or None)
     except ValueError as exc:  # (its messages name the file)
         raise ConfigError(str(exc)) from exc
 
@@ -275,7 +294,7 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
     built from, and what every checkpoint keeps as ``config.json``."""
     config = cfg.hf_model_config()
     where = _where(cfg)
-    text = data if isinstance(data, (TextLines, PreparedText)) else None
+    text = data if isinstance(data, (TextLines, PreparedText, InstructionData)) else None
     try:
         if config is None:
             ends = {"bos": text.bos, "eos": text.eos} if text is not None else {}
@@ -315,7 +334,15 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
             source = pretrained.plan(model, cfg.init)
         except ValueError as exc:  # (its messages name the file or the tensor)
             raise ConfigError(str(exc)) from exc
-    layers = hf.pipeline_layers(model, data.batch(2, 0, split="eval").inputs)
+    sample = data.batch(2, 0, split="eval").inputs
+    if cfg.pack:  # (refused where examples laid end to end would see each other, or the layers cannot say where)
+        try:
+            hf.check_packing(config)
+            layers = hf.pipeline_layers(model, sample, packed=True)
+        except ValueError as exc:
+            raise ConfigError(f"--pack: {exc}") from exc
+    else:
+        layers = hf.pipeline_layers(model, sample)
     if source is not None:  # each stage reads its own layers' tensors as the pipeline materializes them
         pretrained.attach(layers, source)
     if adapters is not None:  # then peft's initialization of the adapters (B = 0: the model starts as it was)
