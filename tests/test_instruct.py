@@ -119,7 +119,7 @@ def test_packed_rows_train_as_their_examples_one_per_row(files: dict[str, Path])
         positions = packed.inputs["position_ids"][0].tolist()
         starts = [0]
         for i in rows[0][:-1]:
-            starts.append(starts[-1] + len(packed_data.examples["train"][i].tokens) - 1)
+            starts.append(starts[-1] + len(packed_data.document("train", i)[0]) - 1)
         assert [positions[s] for s in starts] == [0] * len(starts) and positions[1] == 1
         assert packed.count == plain.count
         losses = [float(pipe.step(b.inputs, b.target)) for pipe, b in ((packed_pipe, packed), (plain_pipe, plain))]
@@ -234,3 +234,45 @@ def test_a_lora_chat_model_answers_as_transformers_does(files: dict[str, Path], 
             theirs = tokenizer.decode(made, skip_special_tokens=True)
             assert " ".join(answer.split()) == " ".join(theirs.split()), (question, system)
         assert any(answer.strip() for answer in ours)
+
+
+def test_prepared_records_give_the_files_batches(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpipe prepare --data FILE.jsonl: the same records, split, rows and batches as the file read
+    whole, packed or not, with --train-on-prompt too; a bad record refused with its file and line or
+    counted; a prepared folder checked (--verify) and refused for a --max-length it does not fit."""
+    from gpipe.data.prepare_records import PreparedRecords
+
+    prepared = tmp_path / "chat.prepared"
+    argv = ["prepare", "--data", str(files["chat"]), "--out", str(prepared), "--tokenizer", str(files["model"]),
+            "--max-length", "96", "--workers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().out
+    tokenizer = HFTokenizer(files["model"])
+    for pack, on_prompt in ((False, False), (True, True)):
+        ours = PreparedRecords(prepared, length=96, seed=0, pack=pack, train_on_prompt=on_prompt)
+        whole = InstructionData(files["chat"], tokenizer, length=96, seed=0, pack=pack, train_on_prompt=on_prompt)
+        assert ours.rows == whole.rows and ours.baseline() == pytest.approx(whole.baseline(), rel=1e-12)
+        assert ours.sample_prompt() == whole.sample_prompt()
+        for split, step in (("train", 0), ("train", 7), ("eval", 1)):
+            a, b = ours.batch(4, step, split=split), whole.batch(4, step, split=split)
+            assert a.padding == b.padding and torch.equal(a.target, b.target)
+            for x, y in zip(*(list(i.values()) if pack else [i] for i in (a.inputs, b.inputs))):
+                assert torch.equal(x, y)
+    assert main(["prepare", "--verify", str(prepared)]) == 0
+    with pytest.raises(ValueError, match="give --max-length"):
+        PreparedRecords(prepared, length=8)
+    answers = prepared / "train.ans"
+    answers.write_bytes(bytes(len(answers.read_bytes())))  # (every answer mark gone: the same size)
+    assert main(["prepare", "--verify", str(prepared)]) == 1
+    assert "train.ans" in capsys.readouterr().err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "a"}\n{"prompt": "c", "completion": "d"}\n')
+    out = ["--out", str(tmp_path / "bad.prepared"), "--tokenizer", str(files["model"]), "--workers", "1"]
+    assert main(["prepare", "--data", str(bad), *out]) == 2
+    assert f"{bad}:3: no completion" in capsys.readouterr().err
+    assert main(["prepare", "--data", str(bad), *out, "--skip-bad"]) == 0
+    manifest = json.loads((tmp_path / "bad.prepared" / "manifest.json").read_text())
+    assert manifest["bad_records"] == {"no completion": 1} and manifest["records"] == 2

@@ -1,12 +1,16 @@
 """``gpipe prepare --data DIR --out PREPARED``: every language pair of a folder tokenized once into
 memory-mapped token arrays with an offsets index (:mod:`gpipe.data.prepare`), which
 ``gpipe train --data PREPARED`` reads with memory that does not grow with the corpus. A text file, a
-document a line, is prepared alike for ``gpipe train --model hf`` (:mod:`gpipe.data.prepare_text`).
+document a line, is prepared alike for ``gpipe train --model hf`` (:mod:`gpipe.data.prepare_text`), and
+instruction or chat records (``.jsonl``, or a folder of them) with their answers marked and fitted to
+``--max-length`` (:mod:`gpipe.data.prepare_records`).
 
     gpipe prepare --data corpus/ --out corpus.prepared --workers 4
     gpipe train --data corpus.prepared --batch-tokens 4096
     gpipe prepare --data text.txt --out text.prepared --tokenizer tokenizer.json
     gpipe train --model hf --data text.prepared
+    gpipe prepare --data chats.jsonl --out chats.prepared --tokenizer qwen-hf/ --max-length 1024
+    gpipe train --model hf --init qwen-hf/ --data chats.prepared --max-length 1024 --pack
     gpipe prepare --verify corpus.prepared                 # every file against its checksum, and its structure
 
 The files are streamed (never held whole), the shared SentencePiece vocabulary is trained on a
@@ -48,8 +52,8 @@ def _parser() -> ArgumentParser:
     p.add_argument(
         "--data",
         metavar="PATH",
-        help="a folder of pair files (xx-yy.tsv, or xx-yy.xx + xx-yy.yy), or a text file, a document a line (for "
-        "gpipe train --model hf)",
+        help="a folder of pair files (xx-yy.tsv, or xx-yy.xx + xx-yy.yy), or a text file, a document a line, or "
+        "instruction or chat records (FILE.jsonl or a folder of them; for gpipe train --model hf)",
     )
     p.add_argument("--out", metavar="PREPARED", help="the folder to write (new, or with --overwrite)")
     p.add_argument(
@@ -90,6 +94,14 @@ def _parser() -> ArgumentParser:
         metavar="N",
         help="held-out sentences per pair without a file in DIR/eval (at most a tenth; default: 100)",
     )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=256,
+        metavar="N",
+        help="records: the most tokens of a row (a longer record's prompt is cut from the start; default: 256)",
+    )
+    p.add_argument("--chat-template", metavar="PATH", help="records: a Jinja chat template (default: the tokenizer's)")
     p.add_argument("--seed", type=int, default=0, help="the seed of the held-out sentences and the sample (default: 0)")
     p.add_argument(
         "--workers",
@@ -115,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(f"--vocab-size must be 0 or more (got {args.vocab_size})")
     if args.vocab and args.vocab_size:
         return refuse("--vocab brings its own vocabulary and --vocab-size sizes one to train: give one of them")
+    from gpipe.data.records import is_records
+
+    if Path(args.data).exists() and is_records(args.data):
+        return _records(args)
+    if args.chat_template:
+        return refuse(f"--chat-template renders chat records (--data FILE.jsonl; --data {args.data!r} is not)")
     text = Path(args.data).is_file()
     if not text and not Path(args.data).is_dir():
         return refuse(f"--data {args.data!r}: no such folder or file")
@@ -160,6 +178,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = {name: sum(e["bad_lines"].values()) for name, e in manifest["pairs"].items() if e["bad_lines"]}
     if bad:
         print(f"skipped bad lines: {', '.join(f'{name} {n}' for name, n in bad.items())} (manifest.json: by kind)")
+    return 0
+
+
+def _records(args: argparse.Namespace) -> int:
+    """``gpipe prepare --data FILE.jsonl``: instruction or chat records."""
+    from gpipe.data.prepare_records import prepare_records
+    from gpipe.data.prepared import read_manifest
+
+    if not args.tokenizer:
+        return refuse(f"--data {args.data!r} holds instruction records, read with the model's own tokenizer: give "
+                      "--tokenizer (a tokenizer.json or its folder)")  # fmt: skip
+    if args.vocab or args.vocab_size:
+        return refuse("--vocab and --vocab-size are for language pairs and text: records are read with --tokenizer")
+    if args.max_length < 2:
+        return refuse(f"--max-length must be at least 2 (got {args.max_length})")
+    try:
+        out = prepare_records(args.data, args.out, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                              max_length=args.max_length, seed=args.seed, workers=args.workers,
+                              skip_bad=args.skip_bad, overwrite=args.overwrite)  # fmt: skip
+    except (ValueError, ImportError) as exc:
+        return refuse(exc)
+    except OSError as exc:
+        return refuse(f"cannot write --out {args.out!r}: {exc.strerror or exc}; it is left as it was")
+    manifest = read_manifest(out)
+    print(f"wrote {out}: {manifest['records']} records ({manifest['train']} training, {manifest['eval']} held out), "
+          f"{manifest['tokens']} tokens, {manifest['cut']} cut to --max-length {args.max_length}, in "
+          f"{manifest['seconds']:.1f} s ({args.workers} worker(s))")  # fmt: skip
+    if manifest["bad_records"]:
+        print(f"skipped bad records: {sum(manifest['bad_records'].values())} (manifest.json: by kind)")
     return 0
 
 

@@ -26,7 +26,11 @@ import numpy as np
 
 from gpipe.saving.checksums import ALGORITHM, FILES, _digest, _listed, _problem, _problems
 
-__all__ = ["BLOCK", "Blocks", "PreparedError", "check_open", "record_checksums", "verify"]
+__all__ = ["BLOCK", "DOCUMENTS", "Blocks", "PreparedError", "check_open", "record_checksums", "verify"]
+
+DOCUMENTS = ("text", "records")
+"""The kinds of prepared data held as documents, split into ``train`` and ``eval`` (a text file's
+lines; instruction records, with a ``.ans`` mask of their answers' tokens)."""
 
 BLOCK = 4096
 """Sentences (or documents) checked at a time, the first time a batch reads one of them."""
@@ -57,7 +61,7 @@ def record_checksums(folder: Path, manifest: dict[str, Any], names: Sequence[str
 def _arrays(manifest: dict[str, Any]) -> list[tuple[str, int | None, int, int]]:
     """Each array set of a prepared folder: (file stem, tokens (None: a text's split, whose offsets
     end at them), offsets, lengths (0: no ``.len``, a text's splits))."""
-    if manifest.get("kind") == "text":
+    if manifest.get("kind") in DOCUMENTS:
         return [(split, None, int(manifest[split]) + 1, 0) for split in ("train", "eval")]
     return [
         (name, int(e["tokens"]), int(e["sentences"]) + 1, max(int(e["sentences"]), 1))
@@ -75,12 +79,14 @@ def check_open(folder: Path, manifest: dict[str, Any]) -> str | None:
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for stem, tokens, offsets, lengths in _arrays(manifest):
         expected = {".off": 8 * offsets, **({".len": 4 * lengths} if lengths else {})}
-        for suffix in (".off", ".len", ".tok"):
+        for suffix in (".off", ".len", ".tok", ".ans"):
             path = folder / f"{stem}{suffix}"
             if suffix == ".tok":
                 if tokens is None:  # (a text's split: its offsets' end)
                     tokens = int(np.memmap(folder / f"{stem}.off", dtype=np.int64, mode="r")[-1])
                 expected[suffix] = max(tokens, 1) * itemsize
+            if suffix == ".ans" and manifest.get("kind") == "records":  # (a record's answer mask, a byte a token)
+                expected[suffix] = max(int(expected[".tok"]) // itemsize, 1)
             if suffix not in expected:
                 continue
             try:
@@ -160,7 +166,7 @@ def verify(folder: Path, manifest: dict[str, Any], say: Callable[[str], None]) -
     problem = check_open(folder, manifest)
     if problem is not None:
         return [problem]
-    dtype, text = np.dtype(manifest["dtype"]), manifest.get("kind") == "text"
+    dtype, text = np.dtype(manifest["dtype"]), manifest.get("kind") in DOCUMENTS
     size = int(manifest["tokenizer" if text else "vocab"]["size"])
     sentences = 0
     for stem, known, count, _ in _arrays(manifest):

@@ -34,7 +34,10 @@ class RecordError(ValueError):
 
     def __init__(self, where: str, kind: str, detail: str = "") -> None:
         super().__init__(f"{where}: {kind}{detail}")
-        self.where, self.kind = where, kind
+        self.where, self.kind, self.detail = where, kind, detail
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (raised in a worker process, as itself in the parent)
+        return (type(self), (self.where, self.kind, self.detail))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from gpipe.data import Dataset, ParallelCorpus, TokenDataset, TranslationDataset, tokenizer
 from gpipe.data.instruct import InstructionData
+from gpipe.data.prepare_records import PreparedRecords
 from gpipe.data.prepared import PreparedCorpus, PreparedText
 from gpipe.data.text import TextLines
 from gpipe.models import hf, lora
@@ -81,7 +82,7 @@ class Checkpoints:
         if self.guard is not None:
             guard = self.guard()
             extra["guard.json"] = lambda p: p.write_text(guard)
-        if isinstance(data, (TextLines, PreparedText, InstructionData)):
+        if isinstance(data, (TextLines, PreparedText, InstructionData, PreparedRecords)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)
         return extra

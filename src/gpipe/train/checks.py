@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.commands.args import UsageError
+from gpipe.data.prepared import PreparedError, is_prepared, read_manifest
 from gpipe.data.records import is_records
 from gpipe.distributed.devices import choose_devices
 from gpipe.saving import CheckpointError, latest
@@ -106,6 +107,15 @@ ROWS = 8
 data-parallel replicas (:mod:`gpipe.train.data`)."""
 
 
+def _prepared_records(data: str) -> bool:
+    """Whether ``--data`` is instruction records ``gpipe prepare`` made (a damaged manifest: no, the
+    data's reader names what is wrong)."""
+    try:
+        return bool(data) and is_prepared(data) and read_manifest(data).get("kind") == "records"
+    except PreparedError:
+        return False
+
+
 def data_flags_error(cfg: Any) -> str | None:
     """What is wrong with the data flags of ``cfg`` (a ``TrainConfig``) together, if anything:
     ``--batch-tokens`` and ``--workers`` (0 or more), ``--batch-tokens`` only on language pairs, at least
@@ -134,10 +144,17 @@ def data_flags_error(cfg: Any) -> str | None:
             f"{cfg.chunks} x --data-parallel {cfg.data_parallel} be at most {rows}"
         )
     records = [name for name in ("pack", "train_on_prompt", "chat_template", "skip_bad") if getattr(cfg, name)]
-    if records and not (cfg.model == "hf" and cfg.data and is_records(cfg.data)):
+    prepared = _prepared_records(cfg.data)
+    if records and not (cfg.model == "hf" and cfg.data and (prepared or is_records(cfg.data))):
         return (
             f"--{flag(records[0])} is for instruction or chat records, --model hf --data FILE.jsonl (or a folder of "
-            f"them) (model: {cfg.model!r}, data: {cfg.data!r}); give such --data, or leave it out"
+            f"them, or what gpipe prepare made of them) (model: {cfg.model!r}, data: {cfg.data!r}); give such "
+            "--data, or leave it out"
+        )
+    if prepared and (given := [name for name in ("chat_template", "skip_bad") if getattr(cfg, name)]):
+        return (
+            f"--{flag(given[0])} applies where the records are read: --data {cfg.data!r} was prepared with its own "
+            "(its manifest.json's settings); give it to gpipe prepare, or leave it out"
         )
     if cfg.augment and not (cfg.model == "amoebanet" and cfg.data):
         return (

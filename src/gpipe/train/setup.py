@@ -29,7 +29,8 @@ from gpipe.data import (
 )
 from gpipe.data.instruct import InstructionData
 from gpipe.data.prepare import train_vocabulary
-from gpipe.data.prepared import PreparedCorpus, PreparedText
+from gpipe.data.prepare_records import PreparedRecords
+from gpipe.data.prepared import PreparedCorpus, PreparedText, read_manifest
 from gpipe.data.records import is_records
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
@@ -150,6 +151,9 @@ def _devices(cfg: TrainConfig) -> list[torch.device] | None:
 
 def make_data(cfg: TrainConfig) -> Dataset:
     if cfg.model == "hf":  # a causal LM: one sequence of pairs' tokens, or a text file's lines
+        if cfg.prepared and read_manifest(cfg.data).get("kind") == "records":  # (gpipe prepare --data FILE.jsonl)
+            return PreparedRecords(cfg.data, length=cfg.max_length, seed=cfg.seed, pack=cfg.pack,
+                                   train_on_prompt=cfg.train_on_prompt)  # fmt: skip
         if cfg.prepared:  # (gpipe prepare --data TEXT)
             return PreparedText(cfg.data, length=cfg.max_length, seed=cfg.seed)
         if cfg.data and is_records(cfg.data):  # instruction or chat records
@@ -294,7 +298,7 @@ def hf_config(cfg: TrainConfig, data: TokenDataset) -> Any:
     built from, and what every checkpoint keeps as ``config.json``."""
     config = cfg.hf_model_config()
     where = _where(cfg)
-    text = data if isinstance(data, (TextLines, PreparedText, InstructionData)) else None
+    text = data if isinstance(data, (TextLines, PreparedText, InstructionData, PreparedRecords)) else None
     try:
         if config is None:
             ends = {"bos": text.bos, "eos": text.eos} if text is not None else {}
