@@ -67,3 +67,23 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def packed_step(folder: str, data: str, schedule: str) -> dict[str, Any]:
+    """One step of ``gpipe train --model hf --data CHATS.jsonl --pack`` on 2 ranks (``schedule``): its
+    loss, and this rank's gradients by name (tests/test_instruct.py compares them with one process)."""
+    from gpipe.train.setup import make_losses, make_pipeline
+
+    init_from_env()
+    cfg = TrainConfig(**PACKED, init=folder, data=data, schedule=schedule)
+    cfg.check()
+    chats = make_data(cfg)
+    pipe = make_pipeline(cfg, make_model(cfg, chats), chats, make_losses(cfg, chats), distributed=True)
+    batch = chats.batch(cfg.batch, 3)
+    loss = float(pipe.step(batch.inputs, batch.target))
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}}
+
+
+PACKED: dict[str, Any] = {"model": "hf", "partitions": 2, "batch": 6, "chunks": 2, "max_length": 96, "pack": True,
+                          "label_smoothing": 0.0, "progress": False, "tensorboard": "off"}  # fmt: skip
+"""The settings of :func:`packed_step` (and of the one process it is compared with)."""

@@ -20,6 +20,7 @@ from gpipe.train import train
 from gpipe.train.config import TrainConfig
 from gpipe.train.setup import make_data, make_losses, make_model, make_pipeline
 from tests import chat_data
+from tests.dist_harness import POOL, Pool
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,14 +28,32 @@ FLAGS: dict[str, Any] = {"model": "hf", "batch": 6, "chunks": 2, "max_length": 9
                          "progress": False, "tensorboard": "off"}  # fmt: skip
 
 
+def _files(root: Path) -> dict[str, Path]:
+    """The model folder and the record files, written once in ``root`` (the pool's case reads them)."""
+    paths = {"model": root / "llama", "chat": root / "chat.jsonl", "completion": root / "completion.jsonl"}
+    if not (root / "complete").exists():
+        chat_data.model_folder(paths["model"])
+        chat_data.write(paths["chat"], chat_data.chat_records(60, longest=30))
+        chat_data.write(paths["completion"], chat_data.completion_records(60, longest=30))
+        (root / "complete").touch()
+    return paths
+
+
+def _pool_files(pool_root: Path) -> dict[str, Path]:
+    return _files(pool_root / "instruct")
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("instruct")
-    return {
-        "model": chat_data.model_folder(root / "llama"),
-        "chat": chat_data.write(root / "chat.jsonl", chat_data.chat_records(60, longest=30)),
-        "completion": chat_data.write(root / "completion.jsonl", chat_data.completion_records(60, longest=30)),
-    }
+def files(pool: Pool) -> dict[str, Path]:
+    return _pool_files(pool.path())
+
+
+SCHEDULES = ("gpipe", "zb-h1")
+TORCHRUN = {
+    schedule: POOL.add(2, f"instruct packed {schedule}", "dist_init:packed_step", prepare=_pool_files, timeout=180,
+                       folder="{pool}/instruct/llama", data="{pool}/instruct/chat.jsonl", schedule=schedule)
+    for schedule in SCHEDULES
+}  # fmt: skip
 
 
 def _by_hand(folder: Path, record: dict[str, Any], tokenizer: HFTokenizer) -> tuple[list[int], list[int]]:
@@ -276,3 +295,22 @@ def test_prepared_records_give_the_files_batches(
     assert main(["prepare", "--data", str(bad), *out, "--skip-bad"]) == 0
     manifest = json.loads((tmp_path / "bad.prepared" / "manifest.json").read_text())
     assert manifest["bad_records"] == {"no completion": 1} and manifest["records"] == 2
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_packed_rows_train_alike_on_two_ranks(files: dict[str, Path], pool: Pool, schedule: str) -> None:
+    """Under torch.distributed, a stage a rank (GPipe's schedule and zero-bubble H1): a packed step's
+    loss and gradients are one process's."""
+    from tests.dist_init import PACKED
+
+    ranks = pool(TORCHRUN[schedule])
+    cfg = TrainConfig(**PACKED, init=str(files["model"]), data=str(files["chat"]), schedule=schedule)
+    cfg.check()
+    data = make_data(cfg)
+    pipe = make_pipeline(cfg, make_model(cfg, data), data, make_losses(cfg, data), distributed=False)
+    batch = data.batch(cfg.batch, 3)
+    assert [r["loss"] for r in ranks] == [float(pipe.step(batch.inputs, batch.target))] * 2
+    grads = {n: g for r in ranks for n, g in r["grads"].items()}
+    assert grads.keys() == {n for n, p in pipe.named_parameters() if p.grad is not None}
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7, msg=name)
