@@ -41,7 +41,17 @@ from gpipe.data.records import Record, RecordError, read_records, split_paths
 from gpipe.data.text import Tokenizer, decode_text
 from gpipe.rng import derive_seed
 
-__all__ = ["IGNORE", "InstructionBatch", "InstructionData", "pack_rows"]
+__all__ = [
+    "IGNORE",
+    "Documents",
+    "InstructionBatch",
+    "InstructionData",
+    "as_arrays",
+    "encode_records",
+    "fitted",
+    "held_out",
+    "pack_rows",
+]
 
 IGNORE = -100
 """The target of a position the loss leaves out: a prompt's token, padding."""
@@ -82,7 +92,7 @@ def pack_rows(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int
     return rows
 
 
-class _Documents:
+class Documents:
     """What in-memory and prepared records share: each split's documents as arrays (``tokens``,
     ``answer``: whether each token is an answer's, ``offsets``), their rows, batches, sample and
     summary. Set by the subclasses: ``seed``, ``pack``, ``train_on_prompt``, ``length``, ``pad``,
@@ -185,7 +195,7 @@ class _Documents:
 
 
 def as_arrays(examples: Sequence[Encoded]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Documents as the arrays :class:`_Documents` reads: tokens, answer mask, offsets."""
+    """Documents as the arrays :class:`Documents` reads: tokens, answer mask, offsets."""
     offsets = np.zeros(len(examples) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(e.tokens) for e in examples])
     tokens = np.fromiter((t for e in examples for t in e.tokens), dtype=np.int64, count=int(offsets[-1]))
@@ -237,7 +247,7 @@ def held_out(count: int, seed: int) -> tuple[list[int], list[int]]:
     return order[:held], order[held:]
 
 
-class InstructionData(_Documents):
+class InstructionData(Documents):
     """Instruction or chat records (a ``.jsonl`` file or a folder of them), read into memory, as a
     causal LM's data: see the module docstring. ``length``: the most tokens a row's inputs hold
     (``--max-length``)."""

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpipe.data.chat import Encoder
-from gpipe.data.instruct import IGNORE, _Documents, encode_records, held_out, pack_rows
+from gpipe.data.instruct import IGNORE, Documents, encode_records, held_out, pack_rows
 from gpipe.data.integrity import Blocks, PreparedError, check_open
 from gpipe.data.prepare import _results, _say, write_prepared
 from gpipe.data.prepared import FORMAT, VERSION, file_digest, read_manifest
@@ -220,7 +220,7 @@ def _assemble(parts: dict[str, list[str]], folder: Path, dtype: str, seed: int, 
     return entry
 
 
-class PreparedRecords(_Documents):
+class PreparedRecords(Documents):
     """Records prepared by ``gpipe prepare --data FILE.jsonl``, with the batches of
     :class:`~gpipe.data.instruct.InstructionData` (rows one example each, or packed), its arrays
     memory-mapped: memory does not grow with the records. ``length`` (``--max-length``) must hold
