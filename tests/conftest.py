@@ -24,6 +24,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Pool:
     return POOL
 
 
+@pytest.fixture(scope="session", autouse=True)
+def pool_in_background(pool: Pool) -> Iterator[None]:
+    """The pool's launches run in a thread while the tests of this process run (Pool.start)."""
+    pool.start()
+    yield
+    pool.stop()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests whose ranks run in the pool run them under NCCL's point-to-point semantics
     (tests/rendezvous.py, installed by tests/dist_entry.py): marked ``rendezvous``."""

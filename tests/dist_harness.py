@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -269,7 +270,13 @@ class Pool:
     ended run again when asked for.
 
     Paths in a case's arguments are written '{pool}/...', the session's folder (:meth:`path`); what a
-    case reads there its ``prepare`` writes, in this process, before its launch."""
+    case reads there its ``prepare`` writes, in this process, before its launch (a test reading it too
+    asks :meth:`written` for it: written once, whoever asks first).
+
+    :meth:`start` runs the planned launches in a thread of their own, in order, while the tests of
+    this process run (the session starts it once collected): a test asking for a case waits for its
+    launch alone, and the launches' processes wait on their peers while this one computes. One lock
+    keeps the pool's state: a launch, a test's wait and a ``prepare`` hold it in turn."""
 
     MAX_CASES = 16
 
@@ -285,6 +292,10 @@ class Pool:
         self.failed: dict[str, str] = {}
         self.prepared: dict[Callable[[Path], object], str | None] = {}  # what went wrong, if anything
         self.timings: list[tuple[int, int, int, int, float]] = []  # launch, world, cases, failed, seconds
+        self.made: dict[Callable[[Path], object], object] = {}  # what each prepare returned
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def add(
         self,
@@ -362,7 +373,7 @@ class Pool:
         if entry.prepare is not None:
             if entry.prepare not in self.prepared:
                 try:
-                    entry.prepare(self.path())
+                    self.made[entry.prepare] = entry.prepare(self.path())
                     self.prepared[entry.prepare] = None
                 except Exception:
                     self.prepared[entry.prepare] = traceback.format_exc()
@@ -396,15 +407,62 @@ class Pool:
 
     def __call__(self, key: str) -> list[Any]:
         """Case ``key``'s results, by rank."""
-        while key not in self.results and key not in self.failed:
-            if key not in self.launch_of:
-                self._plan(key)
-            index = self.launch_of[key]
-            assert index not in self.ran, f"case {key!r} was in launch {index}, which left it undecided"
-            self._run(index)
-        if key in self.failed:
-            raise PoolCaseError(self.failed[key])
-        return self.results[key]
+        with self._lock:
+            while key not in self.results and key not in self.failed:
+                if key not in self.launch_of:
+                    self._plan(key)
+                index = self.launch_of[key]
+                assert index not in self.ran, f"case {key!r} was in launch {index}, which left it undecided"
+                self._run(index)
+            if key in self.failed:
+                raise PoolCaseError(self.failed[key])
+            return self.results[key]
+
+    def written(self, prepare: Callable[[Path], Any]) -> Any:
+        """What ``prepare(pool folder)`` returns, written once whoever asks first (a case's launch or
+        a test); its error, if it failed."""
+        with self._lock:
+            if prepare not in self.prepared:
+                try:
+                    self.made[prepare] = prepare(self.path())
+                    self.prepared[prepare] = None
+                except Exception:
+                    self.prepared[prepare] = traceback.format_exc()
+                    raise
+            if self.prepared[prepare] is not None:
+                raise AssertionError(f"writing the pool's files failed:\n{self.prepared[prepare]}")
+            return self.made[prepare]
+
+    def start(self) -> None:
+        """Run every planned launch (the selected modules' cases) in a background thread, in order."""
+        if self._thread is not None or self.root is None or self.modules == set():
+            return
+        with self._lock:
+            for key, entry in self.entries.items():
+                if (self.modules is None or entry.module in self.modules) and key not in self.launch_of:
+                    self._plan(key)
+
+        def work() -> None:
+            index = 0
+            while not self._stop.is_set():
+                with self._lock:
+                    if index >= len(self.launches):
+                        return
+                    try:
+                        self._run(index)
+                    except BaseException:  # (a launch interrupted: its cases run again when asked for)
+                        self.ran.discard(index)
+                        return
+                index += 1
+
+        self._thread = threading.Thread(target=work, name="pool-launches", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Let the background launches end after the one running (the session's end)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 POOL = Pool()

@@ -3,6 +3,7 @@ with the numbers training's own evaluation logged."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -144,8 +145,9 @@ def test_a_watcher_of_a_run_killed_for_good_stops_and_one_waiting_for_its_resume
     with its resume, the watcher looks before the resume takes the lock and follows it (a grace of 120 s
     here: however slowly the resume starts); with --wait-for-resume a watcher waits for the resume, and
     follows it."""
-    from gpipe.evaluator import watch
     from gpipe.saving import complete
+
+    watch = importlib.import_module("gpipe.evaluator.watch")  # (the module: gpipe.evaluator.watch is a function)
 
     run, dead = tmp_path / "run", tmp_path / "dead"
     trainer = _gpipe("train", "--out", str(run), "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "0",

@@ -43,7 +43,7 @@ def _folders(pool_root: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def folders(pool: Pool) -> dict[str, Path]:
     """The pretrained folders (in the session's pool's folder: the torchrun cases below read them)."""
-    return _folders(pool.path())
+    return pool.written(_folders)
 
 
 # pp2 (the Llama and the tied GPT-2) on 2 ranks; pp2 x tp2 (the Llama, the tied Gemma) and pp2 x fsdp2

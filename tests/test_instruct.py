@@ -45,7 +45,7 @@ def _pool_files(pool_root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def files(pool: Pool) -> dict[str, Path]:
-    return _pool_files(pool.path())
+    return pool.written(_pool_files)
 
 
 SCHEDULES = ("gpipe", "zb-h1")
@@ -218,8 +218,11 @@ def test_commands_refuse_bad_data_in_one_line(
     template = tmp_path / "chatml.jinja"
     template.write_text(chat_data.CHATML)
     assert main([*base[:4], str(plain), *base[5:], "--data", str(files["chat"]), "--chat-template",
-                 str(template), "--eval-every", "0"]) == 0  # fmt: skip
-    capsys.readouterr()
+                 str(template), "--eval-every", "0", "--max-length", "64"]) == 0  # fmt: skip
+    cut = InstructionData(files["chat"], HFTokenizer(files["model"]), length=64).cut
+    first = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert cut > 0 and (first["records_cut"], first["records_skipped"]) == (cut, 0)
+    assert f"note: {cut} of the 60 records are longer than --max-length 64 tokens" in capsys.readouterr().err
     assert main([*base, "--data", str(files["model"] / "config.json"), "--pack"]) == 2
     assert "--pack is for instruction or chat records" in capsys.readouterr().err
 

@@ -246,12 +246,12 @@ class PreparedRecords(Documents):
             )
         self.seed, self.pack, self.train_on_prompt = seed, pack, train_on_prompt
         self.dtype = np.dtype(manifest["dtype"])
-        self.max_length = length
+        self.max_length = int(manifest["settings"]["max_length"])  # (what the records were fitted to)
         self.length = length if pack else longest
         self.bos, self.eos = manifest["tokenizer"]["bos"], manifest["tokenizer"]["eos"]
         self.pad = next(i for i in (self.eos, 0) if i is not None)
-        self.cut, self.records = 0, int(manifest["records"])  # (cut and left out when prepared: its manifest says)
-        self.skipped = Counter()
+        self.cut, self.records = int(manifest["cut"]), int(manifest["records"])  # (when prepared)
+        self.skipped = Counter(manifest["bad_records"])
         self._maps: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._blocks: dict[str, Blocks] = {}
         self._tokenizer: Any = None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gpipe.data import TranslationDataset
 from gpipe.data.base import ReplicaBatch
+from gpipe.data.instruct import Documents
 from gpipe.data.loader import BatchError, StepLoader
 from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
@@ -287,6 +288,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
                     last["skipped"] = skipped
                 if guard.skips:
                     last["skips"] = guard.skips
+                if step == start and isinstance(data, Documents):  # (instruction records: cut, left out)
+                    last["records_cut"], last["records_skipped"] = data.cut, sum(data.skipped.values())
                 if tokens:  # the real tokens of the step, and the share of its positions that is padding
                     last["tokens"] = batch.count
                     if (padding := getattr(batch, "padding", None)) is not None:  # (pairs, packed or not rows)
