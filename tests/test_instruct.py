@@ -228,14 +228,19 @@ def test_commands_refuse_bad_data_in_one_line(
 
 
 def test_a_lora_chat_model_answers_as_transformers_does(files: dict[str, Path], tmp_path: Path) -> None:
-    """Fine-tuned with LoRA on the chat file (packed, K = 2), exported merged: transformers' generate
-    on the chat template's rendering gives gpipe generate --chat's answers, the system turn too."""
+    """Fine-tuned with LoRA on the chat file (packed, K = 2): gpipe eval gives training's evaluation;
+    exported merged, transformers' generate on the chat template's rendering gives gpipe generate
+    --chat's answers, the system turn too."""
     pytest.importorskip("peft")
     out = tmp_path / "run"
     cfg = TrainConfig(**{**FLAGS, "batch": 4}, init=str(files["model"]), data=str(files["chat"]), partitions=2,
                       pack=True, lora=4, lr=0.02, steps=30, eval_every=30, out=str(out))  # fmt: skip
     train(cfg)
-    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["padding"] <= 0.2
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["padding"] <= 0.2
+    assert main(["eval", "--checkpoint", str(out), "--out", str(tmp_path / "eval")]) == 0  # (the evaluation job)
+    evaluated = json.loads((tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert evaluated["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
     assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf"), "--merge"]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

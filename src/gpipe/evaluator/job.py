@@ -83,7 +83,8 @@ def read_run(checkpoint: Path) -> tuple[TrainConfig, str]:
 
 def _relocated(cfg: TrainConfig, kind: str, checkpoint: Path, run: Path, data: str | None) -> TrainConfig:
     """``cfg`` with the paths that the evaluation reads where they are now: ``--out`` the run folder,
-    ``--data`` as given, a text's tokenizer and a Hugging Face model's config from the checkpoint.
+    ``--data`` as given, a text's (or records') tokenizer and chat template and a Hugging Face model's
+    config from the checkpoint.
     As a resumed run, so that nothing is trained or prepared (a vocabulary, the data) and no
     pretrained weights are read: the checkpoint's are loaded."""
     changes: dict[str, Any] = {"out": str(run), "resume": True, "overwrite": False, "init": "", "progress": False}
@@ -91,11 +92,12 @@ def _relocated(cfg: TrainConfig, kind: str, checkpoint: Path, run: Path, data: s
         changes["data"] = data
     if cfg.model == "hf" and (checkpoint / CONFIG).is_file():
         changes["hf_config"] = str(checkpoint / CONFIG)
-    if kind == "TextLines":  # (a text read with a tokenizer: the checkpoint keeps its files)
+    if kind in ("TextLines", "InstructionData"):  # (read with a tokenizer: the checkpoint keeps its files)
         found = next((checkpoint / n for n in ("tokenizer.json", "vocab.model") if (checkpoint / n).is_file()), None)
         if found is None:
             raise UsageError(f"{str(checkpoint)!r} keeps no tokenizer (tokenizer.json, vocab.model) to read its text")
         changes["tokenizer"] = str(found)
+        changes["chat_template"] = ""  # (its copy beside the tokenizer: chat_template.jinja or tokenizer_config.json)
     return dataclasses.replace(cfg, **changes)
 
 
