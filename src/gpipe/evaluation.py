@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset
+from gpipe.data import PAD, Dataset, HeldOut, TranslationDataset, ignore_index
 from gpipe.decode import Chunk, decode_batches
 from gpipe.microbatch import scatter
 from gpipe.pipeline import Pipeline
@@ -221,7 +221,7 @@ def _batches(
                 correct.append((logits.argmax(-1) == held.target).float().mean())
             if cross_entropy is not None:
                 total += cross_entropy(logits, held.target, reduction="sum").detach().double().cpu()
-                tokens += int((held.target != getattr(data, "ignore_index", PAD)).sum())
+                tokens += int((held.target != ignore_index(data)).sum())
     result = {"eval_loss": float(pipe.from_last_stage(torch.stack(losses).mean() if losses else None))}
     if images:
         result["eval_accuracy"] = float(pipe.from_last_stage(torch.stack(correct).mean() if correct else None))
@@ -238,7 +238,7 @@ def _replicated_batches(
     that are not padding, or images), correct images and cross-entropy sum, added up over the
     replicas; a batch's loss is then its item mean, as one replica of the whole batch computes it."""
     images = data.unit == "images"
-    ignore = -100 if images else getattr(data, "ignore_index", PAD)  # (the training loss's, gpipe.train.setup)
+    ignore = ignore_index(data)  # (the training loss's)
     rows: list[Tensor] = []
     for i in range(batches):
         held = data.batch(batch, i, split="eval")

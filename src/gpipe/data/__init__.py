@@ -57,6 +57,7 @@ from gpipe.data.base import (
     TranslationBatch,
     TranslationDataset,
     entropy,
+    ignore_index,
 )
 from gpipe.data.corpus import ParallelCorpus, TextPairs
 from gpipe.data.images import ImageBatch, ImageFiles, SyntheticImages
@@ -80,4 +81,5 @@ __all__ = [
     "TranslationBatch",
     "TranslationDataset",
     "entropy",
+    "ignore_index",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "TranslationBatch",
     "TranslationDataset",
     "entropy",
+    "ignore_index",
 ]
 
 
@@ -144,6 +145,12 @@ def share_of(rows: Sequence[Any], share: tuple[int, int]) -> Sequence[Any]:
     if not mine:
         raise ValueError(f"a batch of {len(rows)} rows cannot be shared by {replicas} replicas")
     return mine
+
+
+def ignore_index(data: Dataset) -> int:
+    """The target the losses of ``data`` leave out: its own ``ignore_index`` (instruction records'
+    -100), else PAD for tokens, -100 (F.cross_entropy's default, no class index) for images."""
+    return int(getattr(data, "ignore_index", PAD if data.unit != "images" else -100))
 
 
 def entropy(counts: Counter[int]) -> float:

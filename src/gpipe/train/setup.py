@@ -17,7 +17,6 @@ import torch.distributed as dist
 from gpipe.balance import balance_by_flops
 from gpipe.checkpoint import Selective
 from gpipe.data import (
-    PAD,
     Dataset,
     ImageDataset,
     ImageFiles,
@@ -25,6 +24,7 @@ from gpipe.data import (
     SyntheticTranslation,
     TextPairs,
     TokenDataset,
+    ignore_index,
     tokenizer,
 )
 from gpipe.data.instruct import InstructionData
@@ -45,7 +45,6 @@ from gpipe.train.initial import PRETRAINED, init_source, init_tokenizer
 __all__ = [
     "Losses",
     "hf_config",
-    "ignore_index",
     "image_model",
     "make_data",
     "make_losses",
@@ -85,12 +84,6 @@ class Losses:
     loss_fn: Callable[..., torch.Tensor]
     cross_entropy: Callable[..., torch.Tensor] | None
     tokens: bool
-
-
-def ignore_index(data: Dataset) -> int:
-    """The target the losses of ``data`` leave out: its own ``ignore_index`` (instruction data's -100),
-    else PAD for tokens, -100 (F.cross_entropy's default, no class index) for images."""
-    return int(getattr(data, "ignore_index", PAD if data.unit != "images" else -100))
 
 
 def make_losses(cfg: TrainConfig, data: Dataset) -> Losses:
