@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from gpipe.data.base import entropy
 from gpipe.data.chat import Encoder
 from gpipe.data.instruct import IGNORE, Documents, encode_records, held_out, pack_rows
 from gpipe.data.integrity import Blocks, PreparedError, check_open
 from gpipe.data.prepare import _results, _say, write_prepared
 from gpipe.data.prepared import FORMAT, VERSION, file_digest, read_manifest
-from gpipe.data.records import parse, split_paths
+from gpipe.data.records import lines, parse_lines, split_paths
 
 __all__ = ["IGNORE", "PreparedRecords", "pack_rows", "prepare_records"]
 
@@ -47,40 +48,22 @@ def _encoder(folder: str) -> Encoder:
     return found
 
 
-def _lines(paths: list[Path]) -> Iterator[list[tuple[str, str]]]:
-    """The non-blank lines of ``paths`` as (file:line, text), in batches of :data:`_BATCH`."""
+def _batches(paths: list[Path]) -> Iterator[list[tuple[str, str]]]:
+    """The non-blank lines of ``paths`` (:func:`~gpipe.data.records.lines`) in batches of :data:`_BATCH`."""
     batch: list[tuple[str, str]] = []
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if line.strip():
-                        batch.append((f"{path}:{number}", line))
-                        if len(batch) == _BATCH:
-                            yield batch
-                            batch = []
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 ({exc})") from None
-        except OSError as exc:
-            raise ValueError(f"cannot read the data file {str(path)!r}: {exc.strerror or exc}") from None
+    for numbered in lines(paths):
+        batch.append(numbered)
+        if len(batch) == _BATCH:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
 
-def _encode_batch(folder: str, lines: list[tuple[str, str]], length: int, skip_bad: bool, dtype: str,
+def _encode_batch(folder: str, numbered: list[tuple[str, str]], length: int, skip_bad: bool, dtype: str,
                   prefix: str) -> dict[str, Any]:  # fmt: skip
-    """Encode ``lines`` into ``prefix.tok``, ``prefix.ans`` and ``prefix.len``."""
-    from gpipe.data.records import RecordError
-
-    skipped: Counter[str] = Counter()
-    records = []
-    for where, line in lines:
-        try:
-            records.append(parse(line, where))
-        except RecordError as exc:
-            if not skip_bad:
-                raise
-            skipped[exc.kind] += 1
+    """Encode the records of ``numbered`` lines into ``prefix.tok``, ``prefix.ans`` and ``prefix.len``."""
+    records, skipped = parse_lines(numbered, skip_bad=skip_bad)
     kept, cut = encode_records(records, _encoder(folder), length, skip_bad, skipped)
     np.asarray([t for e in kept for t in e.tokens], dtype=dtype).tofile(f"{prefix}.tok")
     np.asarray([a for e in kept for a in e.answer], dtype=np.uint8).tofile(f"{prefix}.ans")
@@ -121,7 +104,7 @@ def prepare_records(
         pending: list[concurrent.futures.Future[Any]] = []
         done: list[dict[str, Any]] = []
         for split, paths in (("train", train_paths), ("eval", eval_paths)):
-            for batch in _lines(paths):
+            for batch in _batches(paths):
                 prefix = str(scratch / "chunks" / f"{split}.{len(done) + len(pending)}")
                 parts[split].append(prefix)
                 pending.append(pool.submit(_encode_batch, str(scratch), batch, max_length, skip_bad, dtype, prefix))
@@ -292,6 +275,4 @@ class PreparedRecords(Documents):
     def baseline(self) -> float:
         """The unigram entropy (nats) of the training targets the loss counts, counted when prepared."""
         counts = np.load(self.path / ("unigram_all.npy" if self.train_on_prompt else "unigram.npy"))
-        total = counts.sum()
-        p = counts[counts > 0] / max(total, 1)
-        return float(-(p * np.log(p)).sum())
+        return entropy(Counter({i: int(c) for i, c in enumerate(counts.tolist()) if c}))

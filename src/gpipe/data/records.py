@@ -16,11 +16,22 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROLES", "Record", "RecordError", "is_records", "read_records", "split_paths"]
+__all__ = [
+    "ROLES",
+    "Record",
+    "RecordError",
+    "is_records",
+    "lines",
+    "parse",
+    "parse_lines",
+    "read_records",
+    "split_paths",
+]
 
 ROLES = ("system", "user", "assistant")
 """The roles a chat's messages may have."""
@@ -123,25 +134,36 @@ def parse(line: str, where: str) -> Record:
     return Record(where, prompt=prompt, completion=completion)
 
 
-def read_records(paths: list[Path], *, skip_bad: bool = False) -> tuple[list[Record], Counter[str]]:
-    """The records of the ``.jsonl`` files ``paths`` (blank lines ignored), and with ``skip_bad``
-    those left out, counted by what was wrong; without it the first bad record raises."""
-    records: list[Record] = []
-    bad: Counter[str] = Counter()
+def lines(paths: list[Path]) -> Iterator[tuple[str, str]]:
+    """The non-blank lines of the ``.jsonl`` files ``paths``, as (``file:line``, text), streamed."""
     for path in paths:
         try:
             with open(path, encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(parse(line, f"{path}:{number}"))
-                    except RecordError as exc:
-                        if not skip_bad:
-                            raise
-                        bad[exc.kind] += 1
+                    if line.strip():
+                        yield f"{path}:{number}", line
         except UnicodeDecodeError as exc:
             raise RecordError(str(path), "not UTF-8", f" ({exc})") from None
         except OSError as exc:
             raise ValueError(f"cannot read the data file {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def parse_lines(numbered: Iterable[tuple[str, str]], *, skip_bad: bool = False) -> tuple[list[Record], Counter[str]]:
+    """The records of ``numbered`` lines (``file:line``, text), and with ``skip_bad`` those left out,
+    counted by what was wrong; without it the first bad record raises."""
+    records: list[Record] = []
+    bad: Counter[str] = Counter()
+    for where, line in numbered:
+        try:
+            records.append(parse(line, where))
+        except RecordError as exc:
+            if not skip_bad:
+                raise
+            bad[exc.kind] += 1
     return records, bad
+
+
+def read_records(paths: list[Path], *, skip_bad: bool = False) -> tuple[list[Record], Counter[str]]:
+    """The records of the ``.jsonl`` files ``paths`` (blank lines ignored), and with ``skip_bad``
+    those left out, counted by what was wrong; without it the first bad record raises."""
+    return parse_lines(lines(paths), skip_bad=skip_bad)
