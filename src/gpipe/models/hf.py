@@ -176,18 +176,24 @@ def build(config: Any) -> nn.Module:
     ``_init_weights`` seeded per layer (the same weights in every process and for every partition
     count). A :class:`ValueError` if the model is not causal (tried on a real one-block copy)."""
     transformers = _transformers()
-    probe = copy.deepcopy(config)
-    probe.num_hidden_layers = 1
-    _small_vocabulary(probe)  # (the check needs a block, not a 128k-row embedding and head in every process)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        _check_causal(transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False), probe)
+    _check_causal(*_probe(config))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     return model  # type: ignore[no-any-return]
 
 
 _PROBE_VOCAB = 256
+
+
+def _probe(config: Any) -> tuple[nn.Module, Any]:
+    """A real one-block copy of ``config``'s model with a small vocabulary (:func:`_small_vocabulary`:
+    a check needs a block, not a 128k-row embedding and head in every process), seeded, and its config."""
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = 1
+    _small_vocabulary(probe)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _transformers().AutoModelForCausalLM.from_config(probe, trust_remote_code=False), probe
 
 
 def _small_vocabulary(config: Any) -> None:
@@ -209,13 +215,8 @@ def check_packing(config: Any) -> None:
     apart, as ``--pack`` needs: tried on a real one-block copy (as :func:`build` tries causality),
     two examples in a row against each alone. transformers' mask builder does so for the models
     whose attention masks it builds, from where ``position_ids`` restart."""
-    transformers = _transformers()
-    probe = copy.deepcopy(config)
-    probe.num_hidden_layers = 1
-    _small_vocabulary(probe)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(probe, trust_remote_code=False).eval()
+    model, probe = _probe(config)
+    model.eval()
     vocab = int(probe.vocab_size)
     a, b = torch.arange(3).view(1, 3) % vocab, (torch.arange(4).view(1, 4) * 5 + 1) % vocab
     positions = torch.cat([torch.arange(3), torch.arange(4)]).view(1, 7)
