@@ -371,12 +371,8 @@ class Pool:
                 self.failed[key] = f"case {key!r} loads what case {entry.after!r} saved, which failed:\n{e}"
                 return False
         if entry.prepare is not None:
-            if entry.prepare not in self.prepared:
-                try:
-                    self.made[entry.prepare] = entry.prepare(self.path())
-                    self.prepared[entry.prepare] = None
-                except Exception:
-                    self.prepared[entry.prepare] = traceback.format_exc()
+            with contextlib.suppress(Exception):  # (its traceback is kept: the case fails with it)
+                self.written(entry.prepare)
             if self.prepared[entry.prepare] is not None:
                 self.failed[key] = f"what case {key!r} reads was not written:\n{self.prepared[entry.prepare]}"
                 return False
