@@ -28,8 +28,9 @@ with networkx):
 - *gpipe (before, after)*: what ``gpipe train --init DIR --partitions 4`` does to build its
   pipeline, as ``benchmarks/pretrained.py`` times it: ``make_model`` (``hf.build``: the model on
   the meta device and its causality check; ``pretrained.plan``: the folder checked from its
-  headers; ``hf.pipeline_layers``: the trace into layers), ``balance_by_flops(4, ...)`` and
-  ``Pipeline(layers, balance, chunks=4, devices=['cpu'] * 4)``, which materializes every layer and
+  headers; ``hf.pipeline_layers``: the trace into layers), ``balance_by_flops(4, ...,
+  state_bytes=8)`` (FLOPs and memory, as ``gpipe train --model hf`` balances with its default
+  optimizer) and ``Pipeline(layers, balance, chunks=4, devices=['cpu'] * 4)``, which materializes every layer and
   reads its tensors (``make_data``, the tokenization, before the clock). Each phase's wall and CPU
   time. Then, untimed, every parameter, the pipeline's logits on an evaluation batch (eval mode)
   and a training step's loss and gradients (``Pipeline.step``, the next tokens' cross-entropy),
@@ -112,7 +113,7 @@ def _load_gpipe(folder: Path, text: Path) -> dict[str, Any]:
     from gpipe.balance import balance_by_flops
     from gpipe.pipeline import Pipeline
     from gpipe.train import TrainConfig
-    from gpipe.train.setup import make_data, make_model
+    from gpipe.train.setup import STATE_BYTES, make_data, make_model
 
     phases: dict[str, list[float]] = {}
 
@@ -141,7 +142,7 @@ def _load_gpipe(folder: Path, text: Path) -> dict[str, Any]:
         phases["imports"] = _imports(gpipe=True)
         layers = make_model(cfg, data)
         built = _clock()
-        balance = balance_by_flops(4, layers, sample, chunks=4)
+        balance = balance_by_flops(4, layers, sample, chunks=4, state_bytes=STATE_BYTES[cfg.optimizer])  # (as train)
         balanced = _clock()
         pipe = Pipeline(layers, balance, chunks=4, devices=["cpu"] * 4, cpu_threads=1, loss_fn=_loss)
         done = _clock()

@@ -19,6 +19,7 @@ from gpipe.balance import (
     balance_by_size,
     balance_by_time,
     blockpartition,
+    layer_costs,
     layer_memory,
     layer_params,
     layer_times,
@@ -128,6 +129,71 @@ def test_an_embedding_counts_in_a_balance_by_memory_too() -> None:
         balance_by_flops(4, model, sample, memory_cap=1e9)
     with pytest.raises(ValueError, match=r"no split into 4 cells keeps every cell within the memory cap 1000"):
         balance_by_flops(4, model, sample, state_bytes=16, memory_cap=1000)
+
+
+class Repeated(nn.Module):
+    """A layer whose work depends on an attribute, not on its weights: ``times`` products."""
+
+    def __init__(self, dim: int, times: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.times = times
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = self.linear(x)
+        return x
+
+
+def test_layers_alike_on_the_meta_device_are_counted_once_and_others_each() -> None:
+    """On the meta device a layer alike to one already counted, on alike inputs, gets its costs
+    without running; the costs are those of a pass that runs every layer (on the CPU). Layers of
+    equal weights that differ in an attribute, or in which weights train, are each run."""
+    torch.manual_seed(0)
+    layers = [Repeated(16, 1), Repeated(16, 1), Repeated(16, 3), Repeated(16, 1), Repeated(16, 1)]
+    layers[4].linear.weight.requires_grad_(False)  # (no weight gradient: less backward work)
+    model = nn.Sequential(nn.Embedding(50, 16), *layers, nn.Linear(16, 50))
+    sample = torch.randint(0, 50, (8, 6))
+    on_cpu = layer_costs(model, sample, chunks=2, state_bytes=8)
+    on_meta = layer_costs(model.to("meta"), sample.to("meta"), chunks=2, state_bytes=8)
+    assert on_meta == on_cpu
+    assert on_cpu[0][1] == on_cpu[0][2] < on_cpu[0][3] and on_cpu[0][5] < on_cpu[0][1]
+    assert [p.device.type for p in model.parameters()] == ["meta"] * len(list(model.parameters()))
+
+    run = []
+    import gpipe.balance.profile as profile
+
+    call = profile._call
+    profile._call = lambda i, layer, inputs: run.append(i) or call(i, layer, inputs)  # type: ignore[assignment]
+    try:
+        layer_costs(model, sample.to("meta"), chunks=2, state_bytes=8)
+    finally:
+        profile._call = call
+    assert run == [0, 1, 3, 5, 6]  # (layer 2 is layer 1's twin; 4 is not 3's; 5 trains less)
+
+
+def test_a_language_models_blocks_are_counted_once_with_a_full_passs_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face Llama on the meta device, as ``gpipe train --init`` balances it: its blocks
+    (traced layers, with the key/value cache's hooks) are counted once, with the costs of a pass
+    that runs each one."""
+    import gpipe.balance.alike
+    import gpipe.balance.profile as profile
+    from gpipe.models import hf
+    from tests.pretrained_dirs import llama_config
+
+    config = llama_config(64)
+    config.num_hidden_layers = 6
+    sample = torch.randint(0, 64, (4, 12))
+    layers = hf.pipeline_layers(hf.build(config), sample)
+    run: list[int] = []
+    call = profile._call
+    monkeypatch.setattr(profile, "_call", lambda i, layer, inputs: run.append(i) or call(i, layer, inputs))
+    counted = layer_costs(layers, sample, chunks=2, state_bytes=8)
+    assert len(layers) == 8 and len(run) <= 5, run  # (the embedding, the head and three blocks: the
+    # first's inputs are in another order, the last hands on less; the three between are counted once)
+    monkeypatch.setattr(gpipe.balance.alike, "fingerprint", lambda layer: None)
+    assert layer_costs(layers, sample, chunks=2, state_bytes=8) == counted
+    assert len(set(counted[0][2:-2])) == 1 and counted[0][2] > 0
 
 
 def block_partition_heuristic(costs: Sequence[float], k: int) -> list[int]:

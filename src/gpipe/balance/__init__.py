@@ -33,6 +33,7 @@ from torch import nn
 
 from gpipe.balance import blockpartition
 from gpipe.balance.profile import (
+    layer_costs,
     layer_flops,
     layer_memory,
     layer_params,
@@ -50,6 +51,7 @@ __all__ = [
     "balance_by_size",
     "balance_by_time",
     "blockpartition",
+    "layer_costs",
     "layer_flops",
     "layer_memory",
     "layer_params",
@@ -147,12 +149,11 @@ def balance_by_flops(
     floating-point work but holds as many parameters as its head: by FLOPs alone the first stage
     gets it and as many blocks as the others. ``memory_cap``: bytes no partition may exceed
     (a :class:`ValueError` when no split fits)."""
-    flops = layer_flops(module, sample, chunks=chunks)
     if state_bytes is None:
         if memory_cap is not None:
             raise ValueError("memory_cap needs state_bytes: the bytes a parameter holds, to count each layer's memory")
-        return solve(flops, partitions)
+        return solve(layer_flops(module, sample, chunks=chunks), partitions)
     if not (state_bytes >= 0 and math.isfinite(state_bytes)):
         raise ValueError(f"state_bytes must be a finite number >= 0 (state_bytes: {state_bytes})")
-    memory = layer_state(module, sample, chunks=chunks, state_bytes=state_bytes)
+    flops, memory = layer_costs(module, sample, chunks=chunks, state_bytes=state_bytes)
     return lightest(flops, partitions, memory, slack=slack, memory_cap=memory_cap)

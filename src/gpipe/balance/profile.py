@@ -26,6 +26,7 @@ __all__ = [
     "as_leaves",
     "backward_through",
     "each_layer",
+    "layer_costs",
     "layer_flops",
     "layer_memory",
     "layer_params",
@@ -223,39 +224,66 @@ def _activation_bytes(index: int, layer: nn.Module, inputs: Batch, device: torch
     return float(meter.peak[0])
 
 
-def layer_flops(module: nn.Sequential, sample: Any, *, chunks: int = 1, backward: bool = True) -> list[float]:
-    """Each layer's floating-point operations (forward and, with ``backward``, backward) on the first
-    micro-batch of ``sample``, counted by ``torch.utils.flop_counter`` from shapes alone: nothing is
-    computed, so it works on the meta device (a model too big for this machine). Counts matrix
-    products, convolutions and attention, the operations that dominate."""
+def layer_costs(
+    module: nn.Sequential, sample: Any, *, chunks: int = 1, backward: bool = True, state_bytes: float = 16.0
+) -> tuple[list[float], list[float]]:
+    """Each layer's floating-point operations and memory in bytes, in one pass over the layers on the
+    first micro-batch of ``sample``, from shapes alone: nothing is computed on the meta device (a
+    model too big for this machine). Each layer runs once, forward and (with ``backward``) backward,
+    and its output is the next layer's input.
+
+    - FLOPs: forward and backward, counted by ``torch.utils.flop_counter``: matrix products,
+      convolutions and attention, the operations that dominate.
+    - Memory: ``state_bytes`` per parameter (its weight, gradient and optimizer state: float32 with
+      Adam 16, with Adafactor's factored moments about 8) plus its output's floating-point bytes
+      (what the recomputation of a micro-batch holds, layer by layer).
+
+    On the meta device, a layer alike to one already run (:func:`gpipe.balance.alike.fingerprint`)
+    on inputs alike is not run again: it gets that layer's costs and output (a language model's
+    blocks are counted once)."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from gpipe.balance.alike import fingerprint, inputs_key
 
     dev = next(module.parameters(), torch.empty(0)).device
     batch = _first_micro_batch(sample, chunks, dev)
-    flops = []
-    for i, (layer, inputs) in enumerate(each_layer(module, batch)):
-        with FlopCounterMode(display=False) as counter:
-            outputs = _call(i, layer, as_leaves(inputs))
-            if backward:
-                backward_through(outputs)
-        flops.append(float(counter.get_total_flops()))
-    return flops
+    flops: list[float] = []
+    memory: list[float] = []
+    seen: dict[Any, tuple[float, float, Batch]] = {}
+    with _training_layers(module, None) as layers:
+        for i, layer in enumerate(layers):
+            key = None
+            if dev.type == "meta":
+                found, given = fingerprint(layer), inputs_key(batch.value)
+                key = None if found is None or given is None else (found, given)
+            if key is not None and key in seen:
+                counted, held, batch = seen[key]
+            else:
+                with FlopCounterMode(display=False) as counter:
+                    outputs = _call(i, layer, as_leaves(batch))
+                    if backward:
+                        backward_through(outputs)
+                counted = float(counter.get_total_flops())
+                held = float(sum(t.numel() * t.element_size() for t in outputs.tensors() if t.is_floating_point()))
+                batch = outputs.map(Tensor.detach)
+                if key is not None:
+                    seen[key] = (counted, held, batch)
+            flops.append(counted)
+            memory.append(state_bytes * sum(p.numel() for p in layer.parameters()) + held)
+    return flops, memory
+
+
+def layer_flops(module: nn.Sequential, sample: Any, *, chunks: int = 1, backward: bool = True) -> list[float]:
+    """Each layer's floating-point operations (forward and, with ``backward``, backward) on the first
+    micro-batch of ``sample``, counted from shapes alone: :func:`layer_costs`' first list."""
+    return layer_costs(module, sample, chunks=chunks, backward=backward)[0]
 
 
 def layer_state(module: nn.Sequential, sample: Any, *, chunks: int = 1, state_bytes: float = 16.0) -> list[float]:
     """Each layer's memory in bytes, from shapes alone (on the meta device too): ``state_bytes`` per
-    parameter (its weight, gradient and optimizer state: float32 with Adam 16, with Adafactor's
-    factored moments about 8) plus its output's floating-point bytes on the first micro-batch of
-    ``sample`` (what the recomputation of a micro-batch holds, layer by layer)."""
-    dev = next(module.parameters(), torch.empty(0)).device
-    batch = _first_micro_batch(sample, chunks, dev)
-    sizes = []
-    for i, (layer, inputs) in enumerate(each_layer(module, batch)):
-        with torch.no_grad():
-            outputs = _call(i, layer, inputs)
-        held = sum(t.numel() * t.element_size() for t in outputs.tensors() if t.is_floating_point())
-        sizes.append(state_bytes * sum(p.numel() for p in layer.parameters()) + held)
-    return sizes
+    parameter plus its output's floating-point bytes on the first micro-batch of ``sample``:
+    :func:`layer_costs`' second list."""
+    return layer_costs(module, sample, chunks=chunks, backward=False, state_bytes=state_bytes)[1]
 
 
 def layer_params(module: nn.Sequential) -> list[float]:

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe.balance.alike import inert
 from gpipe.cache import Cache, LayerCache, layer_cache, using
 from gpipe.generation.ends import INPUTS, PACKED_INPUTS, _add_ends, _keep_last_before_head, _positions, _step
 from gpipe.sequential import repeated_blocks, to_sequential
@@ -232,6 +233,7 @@ def _hook_block(block: nn.Module, spec: _Block) -> None:
         block.register_forward_hook(mine[_after_block], with_kwargs=True)
 
 
+@inert  # (outside a step, and so while the balance counts a layer, it returns None)
 def _before_block(
     spec: _Block, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -259,6 +261,7 @@ def _before_block(
     return bound.args, bound.kwargs
 
 
+@inert
 def _after_block(spec: _Block, block: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     opened: dict[int, tuple[Any, LayerCache]] = getattr(_step, "open", None) or {}
     entry = opened.pop(id(block), None)
