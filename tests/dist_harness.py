@@ -276,7 +276,11 @@ class Pool:
     :meth:`start` runs the planned launches in a thread of their own, in order, while the tests of
     this process run (the session starts it once collected): a test asking for a case waits for its
     launch alone, and the launches' processes wait on their peers while this one computes. One lock
-    keeps the pool's state: a launch, a test's wait and a ``prepare`` hold it in turn."""
+    keeps the pool's state: a launch, a test's wait and a ``prepare`` hold it in turn. Every
+    ``prepare`` of the planned launches runs before that thread starts, in the session's thread: a
+    ``prepare`` seeds torch's global random generator to write a model, and in a thread of its own
+    it would draw from the generator the tests draw from beside it (and its ``fork_rng`` would
+    rewind theirs): the files, and the tests' numbers, would change from run to run."""
 
     MAX_CASES = 16
 
@@ -437,6 +441,11 @@ class Pool:
             for key, entry in self.entries.items():
                 if (self.modules is None or entry.module in self.modules) and key not in self.launch_of:
                     self._plan(key)
+            prepares = dict.fromkeys(self.entries[key].prepare for _, keys in self.launches for key in keys)
+        for prepare in prepares:  # (here, not in the thread: see the class's docstring)
+            if prepare is not None:
+                with contextlib.suppress(Exception):  # (its traceback is kept: its cases fail with it)
+                    self.written(prepare)
 
         def work() -> None:
             index = 0

@@ -126,3 +126,25 @@ def test_the_selected_modules_cases_alone_are_planned(tmp_path: Path) -> None:
         pool.add(2, "mine", "test_dist_harness:probe", value=5)
     with pytest.raises(ValueError, match="which the pool does not hold"):
         pool.add(2, "orphan", "test_dist_harness:probe", after="nothing", value=6)
+
+
+def test_the_background_launches_files_are_written_in_the_sessions_thread(tmp_path: Path) -> None:
+    """Pool.start writes what the planned cases read before its thread starts, in the caller's
+    thread: a ``prepare`` seeds torch's global generator, which a thread would share with the tests
+    running beside it (a model written from it, and the tests' numbers, changed from run to run)."""
+    threads: list[str] = []
+
+    def prepare(root: Path) -> Path:
+        threads.append(threading.current_thread().name)
+        return root
+
+    pool = Pool(tmp_path)
+    key = pool.add(2, "reads", "test_dist_harness:probe", prepare=prepare, value=1)
+    pool.select({__name__})
+    pool.start()
+    try:
+        assert threads == [threading.current_thread().name]
+        assert pool(key) == [10, 11]
+    finally:
+        pool.stop()
+    assert threads == [threading.current_thread().name]  # (written once)
