@@ -92,7 +92,15 @@ def test_launch_reports_a_failing_worker() -> None:
         launch(2, {"task": "nonsense"}, timeout=120)
 
 
-def test_overhead_report_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_overhead_report_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpipe bench --only overhead writes its report; on a smaller MLP than the quick run's (what is
+    tested is the report, and the quick sizes took 30 s beside the pool's launches)."""
+    import gpipe.bench.overhead
+
+    sizes = {"blocks": 8, "hidden": 64, "ffn": 256, "batch": 32, "chunks": 8}
+    monkeypatch.setattr(gpipe.bench.overhead, "mlp_sizes", lambda bench: sizes)
     assert main(["bench", "--only", "overhead", "--repeats", "1", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "Reproduce: `gpipe bench --only overhead --repeats 1" in report
