@@ -1,7 +1,10 @@
 """A rank lost at any point of a step — killed (SIGKILL) or stopped (SIGSTOP) — in the step's first
 collective (the seed's broadcast), in its actions, in the loss's broadcast or in the data-parallel
 all-reduce: every other rank exits within the timeout with a PipelineError that names it, the raw
-gloo error kept as its cause."""
+gloo error kept as its cause.
+
+The scenarios of the selected tests start together, three at a time (:func:`launched`): each spends
+most of its time waiting for a timeout, not computing."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +71,37 @@ def lose(tmp_path: Path, world: int, victim: int, where: str, how: str, dp: int 
     return Lost([p.returncode for p in procs], outputs, {r: t - lost_at for r, t in ended.items()})
 
 
+# Each test's scenario, by the test's name: (world, victim, where, how, dp).
+SCENARIOS = {
+    "test_a_rank_killed_between_steps_is_named_at_once": (2, 1, "between", "kill", 1),
+    "test_a_rank_stopped_between_steps_is_named_after_the_timeout": (2, 1, "between", "stop", 1),
+    "test_a_rank_lost_before_the_loss_broadcast_is_named[kill]": (2, 1, "loss", "kill", 1),
+    "test_a_rank_lost_before_the_loss_broadcast_is_named[stop]": (2, 1, "loss", "stop", 1),
+    "test_a_rank_stopped_in_a_step_is_named": (2, 1, "step", "stop", 1),
+    "test_rank_0_lost_between_steps_takes_the_store_and_is_named[kill]": (2, 0, "between", "kill", 1),
+    "test_rank_0_lost_between_steps_takes_the_store_and_is_named[stop]": (2, 0, "between", "stop", 1),
+    "test_a_replica_lost_before_the_gradient_all_reduce_is_named_everywhere": (4, 3, "grads", "kill", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Lost]]:
+    """The selected tests' scenarios, started three at a time in the order of the tests; a test
+    gets its own (:func:`lose`'s result) by asking, once it is done."""
+    names = [item.name for item in request.session.items if item.module is request.module and item.name in SCENARIOS]
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="lost-rank") as pool:
+        futures = {name: pool.submit(lose, tmp_path_factory.mktemp("lost"), *SCENARIOS[name]) for name in names}
+        yield lambda name: futures[name].result()
+
+
+@pytest.fixture
+def lost(launched: Callable[[str], Lost], request: pytest.FixtureRequest) -> Lost:
+    """This test's scenario, run (see :data:`SCENARIOS`)."""
+    return launched(request.node.name)
+
+
 def check(lost: Lost, victim: int, bound: float, message: str, raw: str) -> None:
     for r, out in enumerate(lost.outputs):
         if r == victim:
@@ -77,43 +113,37 @@ def check(lost: Lost, victim: int, bound: float, message: str, raw: str) -> None
         assert raw in out, (r, out[-3000:])  # the transport's own words stay, as the cause or the tail
 
 
-def test_a_rank_killed_between_steps_is_named_at_once(tmp_path: Path) -> None:
+def test_a_rank_killed_between_steps_is_named_at_once(lost: Lost) -> None:
     """The next step's first collective (the seed's broadcast) finds rank 1's socket closed."""
-    lost = lose(tmp_path, 2, 1, "between", "kill")
     check(lost, 1, TIMEOUT, "rank 1 is gone: the broadcast of the step's seed", "gloo")
     assert "The above exception was the direct cause" in lost.outputs[0]
 
 
-def test_a_rank_stopped_between_steps_is_named_after_the_timeout(tmp_path: Path) -> None:
-    lost = lose(tmp_path, 2, 1, "between", "stop")
+def test_a_rank_stopped_between_steps_is_named_after_the_timeout(lost: Lost) -> None:
     check(lost, 1, TIMEOUT + 3 + EXIT, "rank 1 is not responding: the broadcast of the step's seed", "Timed out")
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_rank_lost_before_the_loss_broadcast_is_named(tmp_path: Path, how: str) -> None:
+def test_a_rank_lost_before_the_loss_broadcast_is_named(lost: Lost, how: str) -> None:
     """Rank 1 holds the last stage: rank 0 waits for the loss it broadcasts."""
-    lost = lose(tmp_path, 2, 1, "loss", how)
     state, bound = ("gone", TIMEOUT) if how == "kill" else ("not responding", TIMEOUT + 3 + EXIT)
     check(lost, 1, bound, f"rank 1 is {state}: the broadcast from the last stage's rank 1", "gloo")
 
 
-def test_a_rank_stopped_in_a_step_is_named(tmp_path: Path) -> None:
-    lost = lose(tmp_path, 2, 1, "step", "stop")
+def test_a_rank_stopped_in_a_step_is_named(lost: Lost) -> None:
     check(lost, 1, TIMEOUT + 3 + EXIT, "rank 1 is not responding (rank 0 lost its connection to rank 1", "Timed out")
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_rank_0_lost_between_steps_takes_the_store_and_is_named(tmp_path: Path, how: str) -> None:
+def test_rank_0_lost_between_steps_takes_the_store_and_is_named(lost: Lost, how: str) -> None:
     """Rank 0 hosts the process group's store: the others name it from the store's silence."""
-    lost = lose(tmp_path, 2, 0, "between", how)
     state, bound = ("gone", TIMEOUT) if how == "kill" else ("not responding", TIMEOUT + 3 + EXIT)
     check(lost, 0, bound, f"rank 0 is {state} (the process group's store", "gloo")
 
 
-def test_a_replica_lost_before_the_gradient_all_reduce_is_named_everywhere(tmp_path: Path) -> None:
+def test_a_replica_lost_before_the_gradient_all_reduce_is_named_everywhere(lost: Lost) -> None:
     """dp=2 x pp=2: rank 3 dies before the all-reduce of its gradients; its replica peer (rank 1)
     loses it there, its stage peer (rank 2) in the loss's broadcast, rank 0 through the store."""
-    lost = lose(tmp_path, 4, 3, "grads", "kill", dp=2)
     check(lost, 3, TIMEOUT, "rank 3 (dp 1, pp 1) is gone", "gloo")  # with its coordinates on the mesh
     assert "the all-reduce of the gradients over the data-parallel replicas over ranks [1, 3]" in lost.outputs[1]
 
