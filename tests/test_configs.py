@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpipe.cli import main
+from gpipe.models.moe import active_parameters
 from gpipe.train import ConfigError, paper, parse
 from gpipe.train.config_file import read_config_file
 
@@ -47,6 +48,8 @@ def test_the_model_has_the_stated_count_near_the_papers(name: str) -> None:
     assert all(p.is_meta for p in model.parameters())
     count = paper.parameter_count(model)
     assert count == config.counted, f"{name}: gpipe counts {count}, the file says {config.counted}"
+    active = active_parameters(model)
+    assert active == (config.active or count), f"{name}: {active} parameters per token, the file says {config.active}"
     figure = config.paper_count
     if figure is None:
         assert not config.gap

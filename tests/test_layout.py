@@ -19,7 +19,7 @@ ROOT = Path(gpipe.__file__).parent
 # The two parts, by the name under gpipe/ of each module or folder. The library: the engine and its front
 # ends; the applications: what is built on it. Every entry of gpipe/ is in exactly one.
 LIBRARY = frozenset({
-    "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory", "cache",  # concepts
+    "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory", "cache", "auxiliary",
     "balance", "schedule", "sequential", "runtime", "distributed", "saving", "engine",  # the engine
     "pipeline", "gpipe", "generation", "nonfinite", "health",  # the front ends
 })  # fmt: skip

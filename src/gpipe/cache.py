@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Cache", "LayerCache", "layer_cache", "using"]
+__all__ = ["Cache", "LayerCache", "decoding", "layer_cache", "using"]
 
 
 class LayerCache:
@@ -123,3 +123,8 @@ def layer_cache(module: nn.Module) -> LayerCache | None:
     is under way (the layer then computes on the whole sequence, as in training)."""
     cache: Cache | None = getattr(_state, "cache", None)
     return None if cache is None else cache.of(module)
+
+
+def decoding() -> bool:
+    """Whether a cache is current in this thread: a decoding step, not a whole sequence."""
+    return getattr(_state, "cache", None) is not None

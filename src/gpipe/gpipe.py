@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop, selective
 from gpipe.distributed import Collectives
 from gpipe.engine import Engine, build
-from gpipe.microbatch import Batch, concat, flatten, gather, scatter
+from gpipe.microbatch import Batch, batch_size, concat, flatten, gather, scatter
 from gpipe.rng import step_seed
 from gpipe.runtime.context import Grads, StepContext
 from gpipe.runtime.executor import Executor, StepRun
@@ -153,6 +153,7 @@ class GPipe(nn.Module):
                 raise TypeError(f"expected a tensor or a pytree of tensors (got {type(input).__name__})")
             return input
         batches = scatter(input, self.chunks)
+        sizes = [batch_size(b) for b in batches]
         schedule = _fill_drain(len(self.partitions), len(batches))
         inputs, _ = flatten(input)
         needs_grad = [isinstance(v, Tensor) and v.requires_grad for v in inputs]
@@ -165,6 +166,7 @@ class GPipe(nn.Module):
                 selective=selective(self.checkpoint),
                 training=self.training,
                 seed=step_seed(),
+                shares=[n / sum(sizes) for n in sizes],  # (an auxiliary loss: weighted by the micro-batch's rows)
             )
         run, outputs = self.engine.executor.forward(schedule, batches, ctx)
         if not ctx.grad_enabled:

@@ -216,10 +216,12 @@ class Pipeline(nn.Module):
             total = batch_size(scatter(inputs, 1)[0])
             batches, targets, sizes = scatter_pair(comm.share(inputs), comm.share(target), self.chunks)
             scale = loss_scale(self.loss_count, target, sizes, total)
+            shares = [n / total for n in sizes]
         else:
             count = self._check_share(share, batch_size(scatter(inputs, 1)[0]))
             batches, targets, sizes = scatter_pair(inputs, target, self.chunks)
             scale = loss_scale(None if count is None else (lambda _: count), None, sizes, share.size)
+            shares = [n / share.size for n in sizes]
         last = engine.executor.stages.get(engine.placement.num_stages - 1)
         seed = comm.seed()
         with torch.enable_grad():
@@ -231,6 +233,7 @@ class Pipeline(nn.Module):
                 seed=seed,
                 targets=[last.receive(t).value for t in targets] if last is not None else None,
                 loss_scale=scale,
+                shares=shares,
             )
             schedule = self.schedule_for(len(batches))
             meter = self.measure_memory or engine.planner.measures_memory(len(batches))

@@ -46,12 +46,13 @@ import math
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from gpipe.cache import LayerCache, layer_cache
 from gpipe.health import mark_blocks
+from gpipe.models.attention import Attention, attend, attend_cached, attention
+from gpipe.models.moe import MoEFeedForward
 from gpipe.models.transparent import transparent_attention
 from gpipe.recipe import clip_logits
 
@@ -75,105 +76,9 @@ class FeedForward(nn.Module):
             self.inner.weight.mul_(self.init_scale)
             self.outer.weight.mul_(self.init_scale)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pad: Tensor | None = None) -> Tensor:  # (pad: as a mixture of experts is called)
         out: Tensor = self.outer(self.dropout(torch.relu(self.inner(x))))
         return out
-
-
-class Attention(nn.Module):
-    """Multi-head attention with heads of ``head_dim`` (not necessarily dim/heads), called like
-    ``nn.MultiheadAttention`` with ``batch_first=True``: masks are True where attention is not
-    allowed; returns (output, None). Computed by :func:`attend` (``is_causal``: causal
-    self-attention without a mask)."""
-
-    def __init__(self, dim: int, heads: int, head_dim: int, dropout: float) -> None:
-        super().__init__()
-        self.heads, self.head_dim, self.dropout = heads, head_dim, dropout
-        self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim) for _ in range(3))
-        self.out_proj = nn.Linear(heads * head_dim, dim)
-
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, None]:
-        return attend(self, query, key, value, pad=key_padding_mask, causal=is_causal, mask=attn_mask), None
-
-
-def _projections(attn: nn.Module) -> tuple[Any, Any, Any, Any, int]:
-    """The query, key, value and output projections of ``attn`` as functions, and its heads' width."""
-    if isinstance(attn, Attention):
-        return attn.q, attn.k, attn.v, attn.out_proj, attn.head_dim
-    if not isinstance(attn, nn.MultiheadAttention) or not attn.batch_first or attn.bias_k is not None:
-        raise TypeError(f"attend takes gpipe's Attention or a batch_first nn.MultiheadAttention (got {attn})")
-    w, b = attn.in_proj_weight.chunk(3), attn.in_proj_bias.chunk(3) if attn.in_proj_bias is not None else (None,) * 3
-    q, k, v = (lambda x, w=w_, b=b_: F.linear(x, w, b) for w_, b_ in zip(w, b))
-    return q, k, v, attn.out_proj, attn.head_dim
-
-
-def _heads(x: Tensor, width: int) -> Tensor:  # (B, T, H*d) -> (B, H, T, d); under tensor parallelism H/tp
-    return x.view(*x.shape[:-1], -1, width).transpose(1, 2)
-
-
-def _padding_at_the_end(pad: Tensor) -> bool:
-    """Whether every row of ``pad`` (B, T; True: padding) is real tokens, then only padding. Told by
-    the values: on the meta device (cost estimates: no values) the usual case, padding at the end; while
-    torch.compile traces, no (the causal mask with the padding is right for any padding)."""
-    if pad.device.type == "meta":
-        return True
-    if torch.compiler.is_compiling():
-        return False
-    return not bool((pad[:, 1:] < pad[:, :-1]).any())
-
-
-def attend(
-    attn: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    pad: Tensor | None = None,
-    causal: bool = False,
-    mask: Tensor | None = None,
-    pad_at_end: bool | None = None,
-) -> Tensor:
-    """``attn`` (:class:`Attention` or a ``batch_first`` ``nn.MultiheadAttention``, whose weights it
-    uses) of ``query`` (B, T, D) over ``key`` and ``value`` (B, S, D), without a (T, S) matrix where
-    the kernels allow: ``pad`` (B, S) True for the keys not to attend to, ``causal``: query t attends to
-    keys up to t (self-attention), ``mask`` (T, S) or (B, 1, T, S) True where not allowed (a (T, S)
-    matrix given is a (T, S) matrix used). Dropout on the attention probabilities: ``attn``'s, in
-    training mode. ``pad_at_end`` (causal with ``pad``): True, every row's padding comes after its real
-    tokens; False, not so; None, told by ``pad``'s values (a host read: a device synchronization)."""
-    q, k, v, out, width = _projections(attn)
-    if causal and mask is not None:
-        raise ValueError("attend: give causal or a mask, not both (put the causal pairs in the mask)")
-    if causal and pad is not None:
-        if _padding_at_the_end(pad) if pad_at_end is None else pad_at_end:
-            pad = None  # no real query reaches it under causal attention
-        else:  # padding before real tokens: causal attention alone would let them see it
-            mask = torch.ones(query.size(1), key.size(1), dtype=torch.bool, device=query.device).triu(1)
-            causal = False
-    allowed = None if pad is None else ~pad[:, None, None, :]
-    if mask is not None:
-        allowed = ~mask if allowed is None else allowed & ~mask
-    if isinstance(attn, nn.MultiheadAttention) and query is key and key is value:
-        # self-attention: one matmul for the three projections, as nn.MultiheadAttention does
-        queries, keys, values = (
-            _heads(t, width) for t in F.linear(query, attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
-        )
-    else:
-        queries, keys, values = _heads(q(query), width), _heads(k(key), width), _heads(v(value), width)
-    dropout = cast(float, attn.dropout) if attn.training else 0.0
-    attended = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=allowed, dropout_p=dropout, is_causal=causal
-    )
-    result: Tensor = out(attended.transpose(1, 2).flatten(2))
-    return result
 
 
 def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[str, ParallelStyle]:
@@ -181,6 +86,11 @@ def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[
     ``gpipe.distributed.tensor_parallel``): the feed-forward's inner projection by output features,
     its outer by input features; each attention's query, key and value projections by heads, its
     output projection by input features. The dropout between a split pair then draws per rank."""
+    if isinstance(layer.get_submodule("ff"), MoEFeedForward):
+        raise ValueError(
+            f"{type(layer).__name__}'s feed-forward is a mixture of experts, which tensor parallelism does not split "
+            "(each rank would route with its own random numbers): build the Transformer without experts"
+        )
     plan: dict[str, ParallelStyle] = {"ff.inner": ColwiseParallel(), "ff.outer": RowwiseParallel()}
     for name in attentions:
         attn = layer.get_submodule(name)
@@ -197,15 +107,6 @@ def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[
         plan.update({f"{name}.{p}": ColwiseParallel() for p in ("q", "k", "v")})
         plan[f"{name}.out_proj"] = RowwiseParallel()
     return plan
-
-
-def _attention(
-    dim: int, heads: int, dropout: float, head_dim: int | None, attention_dropout: float | None
-) -> nn.Module:
-    p = dropout if attention_dropout is None else attention_dropout  # on the attention probabilities
-    if head_dim is None:
-        return nn.MultiheadAttention(dim, heads, dropout=p, batch_first=True)
-    return Attention(dim, heads, head_dim, p)
 
 
 class _Embedding(nn.Module):
@@ -233,38 +134,6 @@ class _Embedding(nn.Module):
         return self.dropout(out)  # type: ignore[no-any-return]
 
 
-def _attend_cached(
-    attn: nn.Module, cache: LayerCache, prefix: str, query: Tensor, new: Tensor | None, pad: Tensor | None, causal: bool
-) -> Tensor:
-    """``attn`` of ``query`` (B, T, D) over the keys and values kept under ``prefix`` in ``cache``,
-    extended by those of ``new`` (B, T', D) if given; ``pad`` (B, T') marks the new keys not to
-    attend to, ``causal``: the new queries are the last positions of the keys (a query attends to
-    the keys up to its own position)."""
-    q, k, v, out, width = _projections(attn)
-    if new is not None:
-        keys = cache.extend(prefix + "k", _heads(k(new), width), dim=2)
-        values = cache.extend(prefix + "v", _heads(v(new), width), dim=2)
-        masked = cache.extend(
-            prefix + "pad", pad if pad is not None else new.new_zeros(new.shape[:2], dtype=torch.bool), 1
-        )
-        cache.values[prefix + "masked"] = cache.values.get(prefix + "masked", False) or bool(
-            masked[:, -new.size(1) :].any()
-        )
-    else:
-        keys, values, masked = cache.tensors[prefix + "k"], cache.tensors[prefix + "v"], cache.tensors[prefix + "pad"]
-    length, total = query.size(1), keys.size(2)
-    allowed: Tensor | None = None
-    if cache.values[prefix + "masked"]:
-        allowed = ~masked[:, None, None, :]
-    first = causal and length > 1 and length == total and allowed is None  # a prompt, nothing kept before
-    if causal and length > 1 and not first:
-        later = torch.ones(length, total, dtype=torch.bool, device=query.device).triu(total - length + 1)
-        allowed = ~later if allowed is None else allowed & ~later
-    attended = F.scaled_dot_product_attention(_heads(q(query), width), keys, values, attn_mask=allowed, is_causal=first)
-    result: Tensor = out(attended.transpose(1, 2).flatten(2))
-    return result
-
-
 class SourceEmbedding(nn.Module):
     def __init__(self, vocab: int, dim: int, max_len: int, dropout: float, pad: int) -> None:
         super().__init__()
@@ -290,8 +159,8 @@ class EncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
-        self.ff = FeedForward(dim, hidden, dropout, ff_scale)
+        self.attn = attention(dim, heads, dropout, head_dim, attention_dropout)
+        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
@@ -303,7 +172,7 @@ class EncoderLayer(nn.Module):
             return inputs
         h = self.norm1(x)
         x = x + self.dropout(attend(self.attn, h, h, h, pad=src_pad))
-        x = x + self.dropout(self.ff(self.norm2(x)))
+        x = x + self.dropout(self.ff(self.norm2(x), src_pad))
         return x, src_pad, tgt
 
 
@@ -340,12 +209,12 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.self_attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
+        self.self_attn = attention(dim, heads, dropout, head_dim, attention_dropout)
         self.cross = cross
         if cross:
             self.norm2 = nn.LayerNorm(dim)
-            self.cross_attn = _attention(dim, heads, dropout, head_dim, attention_dropout)
-        self.ff = FeedForward(dim, hidden, dropout, ff_scale)
+            self.cross_attn = attention(dim, heads, dropout, head_dim, attention_dropout)
+        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale)
         self.dropout = nn.Dropout(dropout)
         self.pad_at_end: bool | None = None  # the targets' padding (attend's pad_at_end; transformer's target_padding)
 
@@ -362,7 +231,7 @@ class DecoderLayer(nn.Module):
             assert memory is not None, "the decoder layer of an encoder-decoder needs the encoder's output"
             h = self.norm2(y)
             y = y + self.dropout(attend(self.cross_attn, h, memory, memory, pad=src_pad))
-        out: Tensor = y + self.dropout(self.ff(self.norm3(y)))
+        out: Tensor = y + self.dropout(self.ff(self.norm3(y), tgt_pad))
         return out
 
     def _cached(
@@ -375,7 +244,7 @@ class DecoderLayer(nn.Module):
         if self.cross:
             h = self.norm2(y)
             y = y + self._cached_attention(self.cross_attn, cache, "cross.", h, memory, src_pad, causal=False)
-        out: Tensor = y + self.ff(self.norm3(y))
+        out: Tensor = y + self.ff(self.norm3(y), tgt_pad)
         return out
 
     @staticmethod
@@ -390,7 +259,7 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         if getattr(attn, "training", False):
             raise ValueError("decoding with caches needs the model in evaluation mode: call model.eval() first")
-        return _attend_cached(attn, cache, prefix, query, new, pad, causal)
+        return attend_cached(attn, cache, prefix, query, new, pad, causal)
 
     def forward(self, inputs: Any) -> Any:
         if isinstance(inputs, Tensor):  # the decoder-only model: (B, T, D)
@@ -441,6 +310,11 @@ def transformer(
     attention_dropout: float | None = None,
     transparent: bool = False,
     target_padding: str = "any",
+    experts: int = 0,
+    expert_top_k: int = 2,
+    capacity_factor: float = 1.25,
+    moe_every: int = 2,
+    moe_loss_weight: float = 0.01,
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
     ``heads`` attention heads (each ``head_dim`` wide; default dim/heads). Input: a tuple (source
@@ -448,7 +322,10 @@ def transformer(
     on the attention probabilities (default: ``dropout``); 0 lets a CPU keep no (T, T) matrix.
     ``transparent``: each decoder layer attends over its own learned mix of the source embedding and
     every encoder layer's output (:mod:`gpipe.models.transparent`). ``target_padding``: ``'end'``, after
-    the real tokens (gpipe's batches: no host read per attention call); ``'any'``, told by the values."""
+    the real tokens (gpipe's batches: no host read per attention call); ``'any'``, told by the values.
+    ``experts``: the feed-forward block of every ``moe_every``-th encoder and decoder layer is a
+    mixture of that many experts (:class:`gpipe.models.moe.MoEFeedForward`: ``expert_top_k`` per
+    token, ``capacity_factor``, the load-balancing loss weighted ``moe_loss_weight``); 0: none."""
     if target_padding not in ("any", "end"):
         raise ValueError(f"target_padding is 'any' or 'end' (target_padding: {target_padding!r})")
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
@@ -461,8 +338,24 @@ def transformer(
     )
     for layer in (m for m in model if isinstance(m, DecoderLayer) and target_padding == "end"):
         layer.pad_at_end = True
+    if experts:
+        moe = {"experts": experts, "top_k": expert_top_k, "capacity_factor": capacity_factor,
+               "loss_weight": moe_loss_weight, "dropout": dropout}  # fmt: skip
+        _mixtures(model, moe_every, moe, scale)
     model = transparent_attention(model, layers, layers) if transparent else model
     return mark_blocks(model, 1, layers)  # (Bapna et al.'s gradient-norm ratio: the first and last encoder layers)
+
+
+def _mixtures(model: nn.Sequential, every: int, moe: dict[str, Any], scale: float) -> None:
+    """Every ``every``-th encoder layer's and decoder layer's feed-forward block made a mixture of
+    experts of its sizes (``moe``: :class:`MoEFeedForward`'s settings)."""
+    if every < 1:
+        raise ValueError(f"moe_every must be at least 1 (moe_every: {every}): 2 makes every other layer's a mixture")
+    for kind in (EncoderLayer, DecoderLayer):
+        for i, layer in enumerate((m for m in model if isinstance(m, kind)), start=1):
+            if i % every == 0:
+                inner = cast(nn.Linear, layer.ff.get_submodule("inner"))
+                layer.ff = MoEFeedForward(inner.in_features, inner.out_features, init_scale=scale, **moe)
 
 
 def transformer_lm(

@@ -7,7 +7,8 @@
 
 The columns: the settings in which the runs differ (from each run's newest checkpoint), the steps done,
 the final training loss, the best evaluation (BLEU for translation, the accuracy for images, the
-perplexity of a causal LM, else the held-out loss), the wall time trained, and the status: running,
+perplexity of a causal LM, else the held-out loss), where runs have experts the fraction of tokens the
+last evaluation dropped, the wall time trained, and the status: running,
 finished, interrupted (stopped before its last step: ``gpipe train --resume`` continues it), or a
 sweep trial's pruned or failed. ``tensorboard --logdir`` over the same folders shows the table in its
 HParams tab: each run writes its settings when it starts and its metrics at each evaluation.
@@ -64,17 +65,19 @@ def _sort_key(key: str) -> Any:
 def table(runs: Sequence[Run], *, as_csv: bool = False) -> str:
     """The runs as a table: aligned text (markdown), or CSV with full precision."""
     names = columns(runs)
-    header = ["run", *names, "steps", "loss", "metric", "best", "time", "status"]
+    experts = any(r.dropped is not None for r in runs)  # (a mixture of experts: the tokens dropped)
+    header = ["run", *names, "steps", "loss", "metric", "best", *(["dropped"] if experts else []), "time", "status"]
     rows = []
     for r in runs:
         steps = f"{r.steps}/{r.total}" if r.total is not None and not as_csv else r.steps
         if as_csv:
             rows.append([str(r.path), *(r.settings.get(n) for n in names), steps, r.loss, r.metric, r.best,
-                         r.elapsed, r.status])  # fmt: skip
+                         *([r.dropped] if experts else []), r.elapsed, r.status])  # fmt: skip
         else:
             status = f"{r.status}: {r.error}" if r.error else r.status
             rows.append([str(r.path), *(cell(r.settings.get(n)) for n in names), str(steps), cell(r.loss),
-                         r.metric or "-", cell(r.best), duration(r.elapsed), status])  # fmt: skip
+                         r.metric or "-", cell(r.best), *([cell(r.dropped)] if experts else []),
+                         duration(r.elapsed), status])  # fmt: skip
     if as_csv:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

@@ -53,6 +53,7 @@ class Run:
     elapsed: float | None = None  # seconds trained (its resumes summed)
     status: str = "interrupted"
     error: str = ""  # a failed trial's
+    dropped: float | None = None  # a mixture of experts': the last evaluation's fraction of tokens dropped
 
     def row(self) -> dict[str, Any]:
         return {"run": str(self.path), "steps": self.steps, "loss": self.loss, "metric": self.metric,
@@ -133,6 +134,7 @@ def read_run(folder: Path) -> Run:
         run.steps = int(last["step"])
         run.loss = last.get("loss")
         run.elapsed = last.get("elapsed_s")
+    run.dropped = next((r["moe_dropped"] for r in reversed(rows) if "moe_dropped" in r), None)
     for metric, direction in METRICS:
         if (best := best_of(rows, metric, direction)) is not None:
             run.metric, run.best = metric, best

@@ -40,6 +40,9 @@ class StepContext:
     loss_scale: Sequence[float] | None = None
     selective: Selective | None = None
     """How micro-batches ``0 .. checkpoint_stop-1`` are re-materialized, when selectively."""
+    shares: Sequence[float] | None = None
+    """Each micro-batch's share of the mini-batch (its rows over the mini-batch's, every replica's):
+    what an auxiliary loss is weighted by (:mod:`gpipe.auxiliary`)."""
 
     @staticmethod
     def capture(
@@ -51,6 +54,7 @@ class StepContext:
         targets: Sequence[Any] | None = None,
         loss_scale: Sequence[float] | None = None,
         selective: Selective | None = None,
+        shares: Sequence[float] | None = None,
     ) -> StepContext:
         grad = torch.is_grad_enabled()
         autocast = tuple(
@@ -58,7 +62,7 @@ class StepContext:
         )
         stop = checkpoint_stop if grad and training else 0
         policy = selective if stop else None
-        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale, policy)
+        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale, policy, shares)
 
     @contextmanager
     def applied(self, device: torch.device) -> Iterator[None]:

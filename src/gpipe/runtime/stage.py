@@ -41,6 +41,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from gpipe import skip
+from gpipe.auxiliary import micro_batch_share
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.checkpoint import Selective, checkpointing, recomputing
 from gpipe.microbatch import Batch
@@ -67,6 +68,16 @@ def _running_stats(module: nn.Module) -> list[_NormBase]:
         for m in module.modules()
         if isinstance(m, _NormBase) and m.track_running_stats and not isinstance(m, DeferredBatchNorm)
     ]
+
+
+def _sharing(f: Callable[[Any], Any], share: float) -> Callable[[Any], Any]:
+    """``f`` called as a layer of a micro-batch ``share`` of the mini-batch (:mod:`gpipe.auxiliary`)."""
+
+    def call(value: Any) -> Any:
+        with micro_batch_share(share):
+            return f(value)
+
+    return call
 
 
 def _compiled(layer: nn.Module) -> bool:
@@ -123,6 +134,8 @@ class Stage:
         self._in_place = _InPlace()
         # Layers whose backward is one compiled graph: a split backward runs it once (see backward_input).
         self._fused = {i for i, layer in enumerate(module) if _compiled(layer)}
+        # Whether a layer adds an auxiliary loss (a mixture of experts'): weighted by the micro-batch's share.
+        self._auxiliary = any(getattr(m, "gpipe_auxiliary_loss", False) for m in module.modules())
         # (input grad flags, training) -> output grad flags, for forwards run without autograd.
         self._flows: dict[tuple[tuple[bool, ...], bool], tuple[bool, ...]] = {}
         self.watch: Callable[[Stage, int, int, Callable[[Any], Any]], Callable[[Any], Any]] | None = None
@@ -166,6 +179,8 @@ class Stage:
                 return out * scale
 
             layers.append(loss)
+        if self._auxiliary and ctx.shares is not None:
+            layers = [_sharing(f, ctx.shares[m]) for f in layers]
         if self.watch is not None:
             layers = [self.watch(self, m, i, f) for i, f in enumerate(layers)]
         return layers

@@ -25,9 +25,11 @@ __all__ = [
     "ConfigTypeError",
     "check_paths",
     "checkpoint_to_resume",
+    "choice_error",
     "data_flags_error",
     "devices_error",
     "flag",
+    "moe_error",
     "newest_checkpoint",
     "shape_error",
     "typed",
@@ -98,6 +100,8 @@ RANGES = {
     "length_penalty": (_nonnegative, "a finite number >= 0"),
     "timeout": (_positive, "a positive finite number of seconds"),
     "health_every": (_nonnegative, "a number of steps >= 0 (0: off)"),
+    "capacity_factor": (_positive, "a positive finite number"),
+    "moe_loss_weight": (_nonnegative, "a finite number >= 0 (0: no load-balancing loss)"),
 }
 """The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
 
@@ -191,6 +195,54 @@ def shape_error(cfg: Any) -> str | None:
         return f"--filters must be at least 4 (got {cfg.filters})"
     if cfg.model == "amoebanet" and cfg.image_size < 4:
         return f"--image-size must be at least 4 (got {cfg.image_size})"
+    return None
+
+
+def choice_error(cfg: Any, choices: dict[str, tuple[str, tuple[str, ...]]]) -> str | None:
+    """The first setting of ``cfg`` not among its choices (``choices``: name -> (what the error calls
+    it, the choices)), said with them."""
+    for name, (called, allowed) in choices.items():
+        if getattr(cfg, name) not in allowed:
+            return f"unknown {called} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"
+    return None
+
+
+_MOE_FLAGS = ("expert_top_k", "capacity_factor", "moe_every", "moe_loss_weight")
+
+
+def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
+    """What is wrong with the mixture-of-experts settings of ``cfg`` (a ``TrainConfig``), if anything:
+    one of them without ``--experts``, experts of a model other than the Transformer, fewer experts than
+    a token takes, a ``--moe-every`` that leaves no layer a mixture, with tensor parallelism."""
+    if not cfg.experts:
+        given = [name for name in _MOE_FLAGS if getattr(cfg, name) != defaults[name]]
+        if given:
+            return (
+                f"--{flag(given[0])} is for a mixture of experts: give --experts E too (the experts of every "
+                f"--moe-every'th layer), or leave --{flag(given[0])} out"
+            )
+        return None
+    if cfg.model != "transformer":
+        return (
+            f"--experts makes the feed-forward blocks of --model transformer mixtures of experts (model: "
+            f"{cfg.model!r}); leave it out (a Hugging Face MoE model brings its own experts: --model hf --hf-config)"
+        )
+    if cfg.experts < cfg.expert_top_k or cfg.expert_top_k < 1:
+        return (
+            f"--experts {cfg.experts} with --expert-top-k {cfg.expert_top_k}: a mixture needs at least as many "
+            "experts as each token takes (and --expert-top-k >= 1)"
+        )
+    layers = cfg.layers or 2
+    if not 1 <= cfg.moe_every <= layers:
+        return (
+            f"--moe-every {cfg.moe_every} makes no layer of the {layers} encoder and decoder layers a mixture of "
+            f"experts; give 1 (every layer) to {layers}"
+        )
+    if cfg.tensor_parallel > 1:
+        return (
+            f"--experts with --tensor-parallel {cfg.tensor_parallel}: tensor parallelism does not split a mixture of "
+            "experts (each rank would route with its own random numbers); leave one of them out"
+        )
     return None
 
 

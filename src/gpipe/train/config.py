@@ -21,9 +21,11 @@ from gpipe.train.checks import (
     ConfigTypeError,
     check_paths,
     checkpoint_to_resume,
+    choice_error,
     data_flags_error,
     devices_error,
     flag,
+    moe_error,
     newest_checkpoint,
     shape_error,
     typed,
@@ -148,6 +150,25 @@ class TrainConfig:
             "attends over its own learned softmax-weighted mix of the source embedding and every encoder layer's "
             "output; the weights are logged at each evaluation as transparent/dec<j>/<source> (emb, enc<i>)"
         },
+    )
+    experts: int = field(
+        default=0,
+        metadata={
+            "help": "transformer: the feed-forward block of every --moe-every'th encoder and decoder layer is a "
+            "sparsely-gated mixture of E experts, gated as GShard (0: dense)"
+        },
+    )
+    expert_top_k: int = field(default=2, metadata={"help": "--experts: the experts each token goes to (GShard: 2)"})
+    capacity_factor: float = field(
+        default=1.25,
+        metadata={
+            "help": "--experts: an expert takes at most factor x top-k x positions / E tokens of a micro-batch; the "
+            "tokens past it are dropped (carried by the residual)"
+        },
+    )
+    moe_every: int = field(default=2, metadata={"help": "--experts: every N'th layer's feed-forward is a mixture"})
+    moe_loss_weight: float = field(
+        default=0.01, metadata={"help": "--experts: the weight of the load-balancing loss added to the objective"}
     )
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
     data_parallel: int = field(
@@ -371,28 +392,17 @@ class TrainConfig:
         (``--data``, ``--out``, ``--resume``): :class:`ConfigError`, a ``ValueError``."""
         for f in fields(self):
             typed(f.name, getattr(self, f.name), str(f.type))
-        if self.model not in MODELS:
-            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        if self.schedule not in (*SCHEDULES, "auto"):
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, auto")
-        if self.tensorboard not in TENSORBOARD_MODES:
-            raise ConfigError(
-                f"unknown --tensorboard {self.tensorboard!r}; choose one of {', '.join(TENSORBOARD_MODES)}"
-            )
+        choices = {"model": ("model", MODELS), "schedule": ("schedule", (*SCHEDULES, "auto")),
+                   "tensorboard": ("--tensorboard", TENSORBOARD_MODES),
+                   "checkpoint": ("checkpoint mode", (*CHECKPOINT_MODES, "matmuls")),
+                   "on_nonfinite": ("--on-nonfinite", NONFINITE), "optimizer": ("optimizer", OPTIMIZERS),
+                   "precision": ("--precision", PRECISIONS)}  # fmt: skip
+        if (error := choice_error(self, choices)) is not None:
+            raise ConfigError(error)
         if self.tensorboard == "on" and not has_tensorboard():
             raise ConfigError(
                 "--tensorboard on needs the tensorboard package (pip install tensorboard), or use --tensorboard off"
             )
-        if self.checkpoint not in (*CHECKPOINT_MODES, "matmuls"):
-            raise ConfigError(
-                f"unknown checkpoint mode {self.checkpoint!r}; choose one of {', '.join(CHECKPOINT_MODES)}, matmuls"
-            )
-        if self.on_nonfinite not in NONFINITE:
-            raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}; choose one of {', '.join(NONFINITE)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.data_parallel == 0:
             raise ConfigError(
                 f"--data-parallel 0 takes as many replicas as torchrun's {os.environ.get('WORLD_SIZE', '1')} processes "
@@ -416,7 +426,7 @@ class TrainConfig:
             raise ConfigError(error)
         if (error := shape_error(self)) is not None:
             raise ConfigError(error)
-        if (error := model_flags_error(self)) is not None:
+        if (error := model_flags_error(self) or moe_error(self, {f.name: f.default for f in fields(self)})) is not None:
             raise ConfigError(error)
         layers, formula = self.model_layers()
         if self.partitions * self.virtual > layers:

@@ -42,7 +42,8 @@ PRETRAINED, RUN = "pretrained", "run"
 
 # What a warm start takes from the run it starts from: the settings that shape the model's weights.
 MODEL_SETTINGS = ("model", "hf_config", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
-                  "filters", "reference_cells", "logit_clip", "transparent")  # fmt: skip
+                  "filters", "reference_cells", "logit_clip", "transparent", "experts", "expert_top_k",
+                  "moe_every")  # fmt: skip
 
 # The built-in models' size flags: --model hf takes its size from its config instead.
 _SIZE_FLAGS = ("layers", "hidden", "heads", "dim", "head_dim", "logit_clip", "filters", "reference_cells", "classes",

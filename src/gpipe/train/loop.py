@@ -27,6 +27,7 @@ from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.health import Recorder
+from gpipe.models.moe import active_parameters, routing_metrics
 from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
 from gpipe.recipe import (
@@ -199,6 +200,9 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
     loss_fn, cross_entropy, tokens = losses.loss_fn, losses.cross_entropy, losses.tokens
     if cfg.model == "hf" and (cannot := getattr(model, "cannot_generate", None)) is not None and process_rank() == 0:
         print(f"note: evaluations show no sample generation: {cannot}", file=sys.stderr)
+    if cfg.experts and process_rank() == 0:  # (counted on the whole model: on the meta device where not here)
+        total, active = sum(p.numel() for p in model.parameters()), active_parameters(model)
+        print(f"note: a mixture of experts: {total:,} parameters, {active:,} of them per token", file=sys.stderr)
     pipe = make_pipeline(cfg, model, data, losses, distributed=distributed)
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
         command = "translate" if left == "BLEU" else "generate"
@@ -309,6 +313,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
                     last.update(held_out)
                     if cfg.transparent:  # the learned mixes (every rank: shared by the rank that holds them)
                         last.update(transparent_weights(pipe))
+                    if cfg.experts:  # the routing of the held-out batches (every rank: summed over them)
+                        last.update(routing_metrics(pipe) or {})
                     shown = eval_postfix(last)
                 last["elapsed_s"] = trained + time.perf_counter() - began_run  # (wall time, the resumes' summed)
                 if process_rank() == 0:

@@ -41,7 +41,8 @@ FOLDER = Path(__file__).resolve().parents[1] / "configs"
 """Where the files are: ``gpipe/configs`` in the package (package data)."""
 
 _UNITS = {"K": 1e3, "M": 1e6, "B": 1e9}
-_KEYS = {"model": str, "parameters": str, "source": str, "result": str, "counted": int, "gap": str, "column": str}
+_KEYS = {"model": str, "parameters": str, "source": str, "result": str, "counted": int, "gap": str, "column": str,
+         "active": int}  # fmt: skip
 _REQUIRED = ("model", "parameters", "source", "result", "counted")
 
 
@@ -59,6 +60,7 @@ class PaperConfig:
     counted: int
     gap: str = ""
     column: str = ""
+    active: int = 0  # a mixture of experts': the parameters a token goes through
 
     @property
     def paper_count(self) -> float | None:

@@ -217,6 +217,11 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
         transparent=cfg.transparent,
         head_dim=cfg.head_dim or None,
         target_padding="end",
+        experts=cfg.experts,
+        expert_top_k=cfg.expert_top_k,
+        capacity_factor=cfg.capacity_factor,
+        moe_every=cfg.moe_every,
+        moe_loss_weight=cfg.moe_loss_weight,
     )  # fmt: skip (gpipe's batches: at the end)
 
 

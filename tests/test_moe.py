@@ -1,0 +1,199 @@
+"""The mixture of experts (gpipe.models.moe): GShard's gating (capacity, dropping in token order, the
+second expert's random routing, padding never routed, the load-balancing loss), the layer against a
+token-by-token computation, its auxiliary loss through the pipeline (the plain model's gradients on
+the same micro-batches), bitwise the same at K = 1, 2, 4 and under every schedule, and the flags of
+gpipe train."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor
+
+from gpipe import Pipeline
+from gpipe.auxiliary import micro_batch_share
+from gpipe.cli import main
+from gpipe.models import transformer
+from gpipe.models.moe import MoEFeedForward, route, routing_metrics
+from gpipe.schedule import SCHEDULES
+from tests.helpers import assert_all_close, assert_all_equal, even
+
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
+
+
+def test_capacity_drops_in_token_order_first_choices_first_and_padding_is_never_routed() -> None:
+    # 6 tokens, 3 experts, top-2; every token prefers expert 0, then expert 1 (token 5: 2, then 0).
+    logits = torch.tensor([[3.0, 2.0, 0.0]] * 5 + [[1.0, 0.0, 4.0]])
+    routed = torch.tensor([True, True, False, True, True, True])  # token 2 is padding
+    r = route(logits, top_k=2, capacity=2, routed=routed)
+    e, c = 3, 2
+    kept = r.slots < e * c
+    # Expert 0 takes the first two routed tokens' first choices (0, 1); tokens 3 and 4 are over its
+    # capacity; expert 1 takes the second choices of tokens 0 and 1; token 5 goes to 2, then 0 (full).
+    assert kept.tolist() == [[True, True], [True, True], [False, False], [False, False], [False, False],
+                             [True, False]]  # fmt: skip
+    assert (r.slots[kept] // c).tolist() == [0, 1, 0, 1, 2]
+    assert (r.slots[kept] % c).tolist() == [0, 0, 1, 1, 0]
+    assert len(set(r.slots.flatten().tolist())) == r.slots.numel()  # every assignment its own row
+    assert r.weights[~kept].abs().sum() == 0 and r.weights[2].abs().sum() == 0
+    assert r.routed.item() == 5 and r.dropped.item() == 2  # tokens 3 and 4: carried by the residual alone
+    loads = torch.tensor([5.0, 4.0, 1.0])  # the assignments asked of each expert
+    assert r.busiest.item() == pytest.approx(float(loads.max() / loads.mean()))
+    gates = torch.softmax(logits[routed], -1)
+    first = F.one_hot(gates.argmax(-1), 3).float().mean(0)
+    assert r.aux.item() == pytest.approx(3 * float((gates.mean(0) * first).sum()), rel=1e-6)
+
+
+def test_balanced_routing_has_an_auxiliary_loss_of_one_and_the_second_choice_is_sampled() -> None:
+    logits = torch.eye(4).repeat(8, 1) * 5  # each expert first for a quarter of the tokens
+    assert route(logits, top_k=1, capacity=None).aux.item() == pytest.approx(1.0, abs=0.05)
+    torch.manual_seed(0)
+    weights = route(logits, top_k=2, capacity=None).weights
+    sampled = route(logits, top_k=2, capacity=None, sample=True).weights
+    assert (weights[:, 1] > 0).all() and (sampled[:, 1] == 0).any()  # (the second weight is small: often left)
+    assert torch.equal(sampled[:, 0], weights[:, 0])
+
+
+def by_hand(ff: MoEFeedForward, x: Tensor, pad: Tensor | None) -> Tensor:
+    """The layer token by token: each kept assignment's expert on the token, weighted."""
+    flat = x.reshape(-1, x.size(-1))
+    r = route(F.linear(flat, ff.gate.weight), top_k=ff.top_k, capacity=ff.capacity(flat.size(0)),
+              routed=None if pad is None else ~pad.reshape(-1))  # fmt: skip
+    ex = ff.experts
+    out = torch.zeros_like(flat)
+    for t in range(flat.size(0)):
+        for j in range(ff.top_k):
+            slot = int(r.slots[t, j])
+            if slot < ex.count * r.capacity:
+                e = slot // r.capacity
+                h = torch.relu(flat[t] @ ex.inner_weight[e] + ex.inner_bias[e])
+                out[t] += r.weights[t, j] * (h @ ex.outer_weight[e] + ex.outer_bias[e])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_layer_is_its_experts_token_by_token(top_k: int) -> None:
+    torch.manual_seed(0)
+    ff = MoEFeedForward(8, 16, experts=4, top_k=top_k, capacity_factor=0.4).eval()
+    x = torch.randn(3, 5, 8)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(ff(x, pad), by_hand(ff, x, pad))
+        assert ff(x, pad)[1, 3:].abs().sum() == 0  # padding: no expert
+    metrics = routing_metrics(ff)
+    assert metrics is not None and 0 < metrics["moe_dropped"] < 1 and metrics["moe_busiest"] >= 1
+    assert routing_metrics(ff) is None  # (read and reset)
+
+
+def moe_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return transformer(3, 32, 2, dim=16, vocab=20, max_len=16, dropout=0.1, experts=4, moe_every=1,
+                       moe_loss_weight=0.1, target_padding="end")  # fmt: skip
+
+
+def batch() -> tuple[tuple[Tensor, Tensor], Tensor]:
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(1, 20, (8, 7), generator=g), torch.randint(1, 20, (8, 6), generator=g)
+    src[0, 5:] = 0
+    tgt[1, 4:] = 0
+    return (src, tgt[:, :-1]), tgt[:, 1:]
+
+
+def token_loss(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=0)
+
+
+def test_the_auxiliary_loss_reaches_the_gradients_as_the_plain_models_on_the_micro_batches() -> None:
+    """A pipeline step's gradients are the plain model's on the same micro-batches, each micro-batch's
+    loss and load-balancing loss weighted by its share of the mini-batch; without the auxiliary loss
+    the gate's gradients differ."""
+    model = moe_model().eval()  # (no dropout, no random routing: the plain runs draw alike)
+    inputs, target = batch()
+    pipe = Pipeline(copy.deepcopy(model), even(len(model), 2), chunks=4, loss_fn=token_loss, devices=["cpu"] * 2)
+    pipe.eval()
+    with torch.enable_grad():
+        pipe.step(inputs, target)
+    plain = copy.deepcopy(model)
+    for src, tgt, y in zip(*(t.chunk(4) for t in (*inputs, target))):
+        with micro_batch_share(src.size(0) / inputs[0].size(0)):
+            (token_loss(plain((src, tgt)), y) * src.size(0) / inputs[0].size(0)).backward()
+    assert_all_close([p.grad for p in pipe.parameters()], [p.grad for p in plain.parameters()])
+    for layer in model.modules():
+        if isinstance(layer, MoEFeedForward):
+            layer.loss_weight = 0.0
+    without = copy.deepcopy(model)
+    for src, tgt, y in zip(*(t.chunk(4) for t in (*inputs, target))):
+        (token_loss(without((src, tgt)), y) * src.size(0) / inputs[0].size(0)).backward()
+    gates = [n for n, _ in plain.named_parameters() if n.endswith("gate.weight")]
+    assert gates and all(
+        not torch.allclose(dict(plain.named_parameters())[n].grad, dict(without.named_parameters())[n].grad)
+        for n in gates
+    )
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_the_same_bits_at_every_partition_count_and_schedule(name: str) -> None:
+    """Dropout, the second expert's random routing and the tokens dropped are the same at K = 1, 2, 4
+    and under every schedule: the same loss and gradients, bitwise."""
+    model = moe_model()
+    inputs, target = batch()
+    virtual = VIRTUAL.get(name, 1)
+    results = {}
+    for k in (1, 2, 4):
+        if name == "dualpipev" and 2 * k > 8:
+            continue
+        torch.manual_seed(3)
+        pipe = Pipeline(copy.deepcopy(model), even(len(model), k * virtual), chunks=8, schedule=name,
+                        virtual=virtual, loss_fn=token_loss, devices=["cpu"] * k, cpu_threads=1)  # fmt: skip
+        loss = pipe.step(inputs, target)
+        pipe.eval()
+        with torch.no_grad():
+            pipe(inputs)
+        results[k] = (loss, [p.grad.clone() for p in pipe.parameters()], routing_metrics(pipe))
+    first = results[1]
+    for k, (loss, grads, metrics) in results.items():
+        assert torch.equal(loss, first[0]), k
+        assert_all_equal(grads, first[1])
+        assert metrics == first[2] and metrics is not None
+
+
+def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    flags = ["train", "--steps", "4", "--eval-every", "2", "--no-progress", "--tensorboard", "off"]
+    assert main([*flags, "--experts", "4", "--capacity-factor", "0.5", "--out", str(out)]) == 0
+    said = capsys.readouterr().err
+    model = transformer(2, 256, 4, dim=64, vocab=1, experts=4)  # (the vocabulary: not in the experts)
+    per_expert = sum(p.numel() for p in model[2].ff.experts.parameters()) // 4
+    total, active = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) parameters, ([\d,]+) of them", said)[0])
+    assert total - active == 2 * (4 - 2) * per_expert  # (two mixtures: the second layer's of each side)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "eval_loss" in r]
+    assert evaluated and all("bleu" in r for r in evaluated)  # (beam search, with the caches: routing each token)
+    assert all(0 < r["moe_dropped"] < 1 and r["moe_busiest"] >= 1 and math.isfinite(r["moe_aux_loss"])
+                             for r in evaluated)  # fmt: skip
+    capsys.readouterr()
+    assert main(["runs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| dropped |" in table.replace("  ", " ") or " dropped " in table, table
+    bad = [
+        (["--experts", "2", "--expert-top-k", "3"], "at least as many experts as each token takes"),
+        (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a positive finite number"),
+        (["--experts", "4", "--moe-every", "3"], "--moe-every 3 makes no layer"),
+        (["--experts", "4", "--tensor-parallel", "2"], "tensor parallelism does not split a mixture"),
+        (["--experts", "4", "--model", "amoebanet"], "--experts"),
+        (["--capacity-factor", "2"], "--capacity-factor is for a mixture of experts"),
+    ]
+    for argv, message in bad:
+        assert main([*flags, *argv, "--out", str(tmp_path / "bad")]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
