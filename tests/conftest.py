@@ -5,6 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.background import BACKGROUND
 from tests.dist_harness import POOL, Pool
 
 
@@ -25,11 +26,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Pool:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def pool_in_background(pool: Pool) -> Iterator[None]:
-    """The pool's launches run in a thread while the tests of this process run (Pool.start)."""
+def pool_in_background(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The pool's launches run in a thread while the tests of this process run (Pool.start), and the
+    selected tests' background jobs in threads of their own (tests/background.py)."""
     pool.start()
+    BACKGROUND.start(tmp_path_factory.mktemp("background"))
     yield
     pool.stop()
+    BACKGROUND.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -42,9 +46,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The pool runs the cases of the modules that have a selected test reading it alone (-k, node
-    ids, -m, --lf: no other module's cases run)."""
+    ids, -m, --lf: no other module's cases run); the background jobs of the selected tests alone start."""
     readers = [item for item in session.items if "pool" in getattr(item, "fixturenames", ())]
     POOL.select({module.__name__ for item in readers if (module := getattr(item, "module", None)) is not None})
+    BACKGROUND.selected = {
+        BACKGROUND.key(module.__name__, item.name)
+        for item in session.items
+        if (module := getattr(item, "module", None)) is not None
+    }
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

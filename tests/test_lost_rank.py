@@ -3,8 +3,8 @@ collective (the seed's broadcast), in its actions, in the loss's broadcast or in
 all-reduce: every other rank exits within the timeout with a PipelineError that names it, the raw
 gloo error kept as its cause.
 
-The scenarios of the selected tests start together, three at a time (:func:`launched`): each spends
-most of its time waiting for a timeout, not computing."""
+The scenarios of the selected tests start with the session, a few at a time, in threads beside the
+other tests (tests/background.py): each spends most of its time waiting for a timeout, not computing."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.background import BACKGROUND
 from tests.dist_harness import start, wait
 
 TIMEOUT = 5.0  # Pipeline(timeout=...): how long a transfer or a collective may take
@@ -84,22 +83,14 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def launched(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], Lost]]:
-    """The selected tests' scenarios, started three at a time in the order of the tests; a test
-    gets its own (:func:`lose`'s result) by asking, once it is done."""
-    names = [item.name for item in request.session.items if item.module is request.module and item.name in SCENARIOS]
-    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="lost-rank") as pool:
-        futures = {name: pool.submit(lose, tmp_path_factory.mktemp("lost"), *SCENARIOS[name]) for name in names}
-        yield lambda name: futures[name].result()
+for _test, _scenario in SCENARIOS.items():  # (each a job of the session's start: tests/background.py)
+    BACKGROUND.add(__name__, _test, lambda folder, s=_scenario: lose(folder, *s))
 
 
 @pytest.fixture
-def lost(launched: Callable[[str], Lost], request: pytest.FixtureRequest) -> Lost:
+def lost(request: pytest.FixtureRequest) -> Lost:
     """This test's scenario, run (see :data:`SCENARIOS`)."""
-    return launched(request.node.name)
+    return BACKGROUND.result(__name__, request.node.name)  # type: ignore[no-any-return]
 
 
 def check(lost: Lost, victim: int, bound: float, message: str, raw: str) -> None:
