@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Small runs of each kind of model: translation (BLEU per pair), images (accuracy), a causal LM (perplexity,
 # a sample), each with a checkpoint and an evaluation at steps 2 and 4.
 KINDS: dict[str, dict[str, Any]] = {
-    "translation": {"steps": 4, "transparent": True},  # (its learned weights logged with the evaluations too)
+    # (its learned weights logged with the evaluations too, and its experts' routing)
+    "translation": {"steps": 4, "transparent": True, "experts": 4},
     "images": {"model": "amoebanet", "layers": 3, "filters": 16, "image_size": 16, "batch": 32, "steps": 4},
     "hf": {"model": "hf", "batch": 16, "steps": 4},
 }
@@ -52,7 +53,7 @@ def test_eval_equals_the_training_evaluation_at_its_step_and_nearly_at_another_k
         assert EVAL_KEYS[kind] in evaluated[step]
         # bitwise: the same keys and numbers (and the same sample text) as the run's own evaluation
         assert evaluated[step] == {k: v for k, v in logged[step].items() if k in evaluated[step]}
-        held_out = {k for k in logged[step] if k.startswith(("eval", "bleu", "sample", "transparent/"))}
+        held_out = {k for k in logged[step] if k.startswith(("eval", "bleu", "sample", "transparent/", "moe_"))}
         assert set(evaluated[step]) == {"step"} | held_out
     assert (run / "eval" / "tensorboard").is_dir() and (run / "eval" / "loss.png").is_file()
     # another layout: one stage instead of the run's two, within float rounding

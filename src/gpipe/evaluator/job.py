@@ -29,6 +29,7 @@ from gpipe.data.prepared import PreparedCorpus, is_prepared
 from gpipe.distributed import init_from_env
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.models.hf import CONFIG
+from gpipe.models.moe import routing_metrics
 from gpipe.models.transparent import transparent_weights
 from gpipe.runfile import RUN
 from gpipe.saving import CheckpointError, load
@@ -196,4 +197,6 @@ class Evaluator:
             )
         if self.cfg.transparent:  # (as training logs them with its evaluations)
             metrics.update(transparent_weights(self.pipe))
+        if self.cfg.experts:  # (the routing of the held-out batches, as training logs it)
+            metrics.update(routing_metrics(self.pipe) or {})
         return {"step": step, **metrics}
