@@ -17,8 +17,8 @@ only, so the same tokens drop at any number of stages and under any schedule. Wi
 current (decoding) no token is dropped: a step's few tokens route as they do in the whole sequence.
 
 Dispatch and combine move rows by index into an (E, C, D) buffer and back, with no (N, E, C) matrix:
-every assignment has its own slot (a dropped one a zero row), so the sums are exact and the same on
-every run.
+every kept assignment has its own slot, so the sums are exact and the same on every run (the dropped
+ones all go to one row past the buffer, which no expert computes and which gives back zeros).
 
 The auxiliary load-balancing loss (GShard): ``E * sum_e(mean gate_e * fraction routed first to
 e)`` over the routed tokens, 1 when balanced, is added to the training objective with weight
@@ -186,13 +186,12 @@ class MoEFeedForward(nn.Module):
             sample=self.training,
         )
         e, c, k = self.experts.count, routing.capacity, self.top_k
-        spare = torch.zeros(n * k, shape[-1], dtype=flat.dtype, device=flat.device)
-        buffer = torch.cat([flat.new_zeros(e * c, shape[-1]), spare]).index_copy(
-            0, routing.slots.reshape(-1), flat.repeat_interleave(k, dim=0)
-        )
+        # Row e*c of the buffer takes the dropped assignments: never computed, and zero on the way back.
+        slots = torch.where(routing.slots < e * c, routing.slots, e * c)
+        buffer = flat.new_zeros(e * c + 1, shape[-1]).index_put((slots.reshape(-1),), flat.repeat_interleave(k, 0))
         done = self.experts(buffer[: e * c].view(e, c, -1))
-        out_rows = torch.cat([done.reshape(e * c, -1).to(flat.dtype), spare])
-        picked = out_rows[routing.slots]  # (N, k, D)
+        out_rows = torch.cat([done.reshape(e * c, -1).to(flat.dtype), flat.new_zeros(1, shape[-1])])
+        picked = out_rows[slots]  # (N, k, D)
         out = (picked * routing.weights.unsqueeze(-1).to(picked.dtype)).sum(1).view(shape)
         if not self.training and not decoding:
             figures = torch.stack([routing.aux.detach(), routing.routed, routing.dropped, routing.busiest.detach(),
