@@ -30,18 +30,35 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--batch", "16", "--eval-every", "2", "--checkpoint-every", "2", "--no-progress"]
 
 
-def gpipe_train(nproc: int, *argv: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    """``gpipe train`` under torchrun with ``nproc`` processes (gloo on CPU), bounded by a timeout;
-    ``ok``: it must succeed (else fail)."""
+def start_train(nproc: int, *argv: str) -> subprocess.Popen[str]:
+    """``gpipe train`` under torchrun with ``nproc`` processes (gloo on CPU), started: its output read
+    by :func:`finish`."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         "-m", "gpipe", "train", *FLAGS, *argv,
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen[str], ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """What ``proc`` (:func:`start_train`) wrote, once it ended, bounded by a timeout (its processes
+    killed after it); ``ok``: it must succeed (else fail)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert (done.returncode == 0) == ok, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def gpipe_train(nproc: int, *argv: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """``gpipe train`` under torchrun with ``nproc`` processes, run to its end (see :func:`finish`)."""
+    return finish(start_train(nproc, *argv), ok)
 
 
 def rows(out: Path) -> list[dict[str, Any]]:
@@ -111,8 +128,9 @@ def test_a_sharded_causal_lm_with_tied_weights_trains_as_one_replica(tmp_path: P
     norm) give D=1's numbers."""
     pytest.importorskip("transformers")
     flags = ["--model", "hf", "--partitions", "2", "--eval-batches", "2", "--steps", "4"]
-    done = gpipe_train(4, *flags, "--data-parallel", "2", "--fsdp", "--out", str(tmp_path / "d2"))
-    assert main(["train", *FLAGS, *flags, "--out", str(tmp_path / "d1")]) == 0
+    started = start_train(4, *flags, "--data-parallel", "2", "--fsdp", "--out", str(tmp_path / "d2"))
+    assert main(["train", *FLAGS, *flags, "--out", str(tmp_path / "d1")]) == 0  # (while it runs)
+    done = finish(started)
     one = [{k: v for k, v in r.items() if k != "sample"} for r in rows(tmp_path / "d1")]
     same_numbers(rows(tmp_path / "d2"), one)
     assert "eval_perplexity" in rows(tmp_path / "d2")[-1] and "sample" in rows(tmp_path / "d1")[-1]
@@ -134,9 +152,10 @@ def test_a_llama_split_over_two_ranks_trains_as_one(tmp_path: Path) -> None:
     )  # fmt: skip
     (tmp_path / "llama.json").write_text(llama.to_json_string())
     flags = ["--model", "hf", "--hf-config", str(tmp_path / "llama.json"), "--partitions", "2", "--steps", "2"]
-    gpipe_train(4, *flags, "--tensor-parallel", "2", "--eval-batches", "1", "--out", str(tmp_path / "t2"))
-    # the reference in this process (two 'cpu' stages: as on two ranks, which test_torchrun checks)
+    started = start_train(4, *flags, "--tensor-parallel", "2", "--eval-batches", "1", "--out", str(tmp_path / "t2"))
+    # the reference in this process while it runs (two 'cpu' stages: as on two ranks, which test_torchrun checks)
     assert main(["train", *FLAGS, *flags, "--eval-batches", "1", "--out", str(tmp_path / "t1")]) == 0
+    finish(started)
     same_numbers(rows(tmp_path / "t2"), rows(tmp_path / "t1"))
 
 
