@@ -232,7 +232,7 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
             f"--experts {cfg.experts} with --expert-top-k {cfg.expert_top_k}: a mixture needs at least as many "
             "experts as each token takes (and --expert-top-k >= 1)"
         )
-    layers = cfg.layers or 2
+    layers = cfg.depth  # (the Transformer's L)
     if not 1 <= cfg.moe_every <= layers:
         return (
             f"--moe-every {cfg.moe_every} makes no layer of the {layers} encoder and decoder layers a mixture of "

@@ -27,6 +27,7 @@ from gpipe.distributed import PipelineError, init_from_env, watch_peers
 from gpipe.distributed.failure import collective, lost_ranks
 from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.health import Recorder
+from gpipe.models import parameter_count
 from gpipe.models.moe import active_parameters, routing_metrics
 from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
@@ -201,7 +202,7 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
     if cfg.model == "hf" and (cannot := getattr(model, "cannot_generate", None)) is not None and process_rank() == 0:
         print(f"note: evaluations show no sample generation: {cannot}", file=sys.stderr)
     if cfg.experts and process_rank() == 0:  # (counted on the whole model: on the meta device where not here)
-        total, active = sum(p.numel() for p in model.parameters()), active_parameters(model)
+        total, active = parameter_count(model), active_parameters(model)
         print(f"note: a mixture of experts: {total:,} parameters, {active:,} of them per token", file=sys.stderr)
     pipe = make_pipeline(cfg, model, data, losses, distributed=distributed)
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
