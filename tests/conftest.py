@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -7,6 +8,10 @@ import pytest
 
 from tests.background import BACKGROUND
 from tests.dist_harness import POOL, Pool
+
+# Every process the tests start prints each thread's Python stack should it crash (SIGSEGV, SIGABRT):
+# a crash in a torchrun worker then says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -22,10 +22,12 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
+from gpipe import threads
 from gpipe.commands.args import ArgumentParser, UsageError, refuse
 
-__all__ = ["COMMANDS", "command_parser", "main"]
+__all__ = ["COMMANDS", "command_parser", "main", "run"]
 
 COMMANDS = {
     "train": "train the paper's Transformer or AmoebaNet-D, or a Hugging Face causal LM, pipelined (see -h)",
@@ -100,5 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(exc)
 
 
+def run() -> NoReturn:
+    """The ``gpipe`` program (and ``python -m gpipe``): :func:`main`, whose status the process exits
+    with, even should one of gpipe's threads not end in time (:func:`gpipe.threads.exiting`)."""
+    sys.exit(threads.exiting(main()))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

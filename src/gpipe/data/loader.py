@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.utils.data
 
+from gpipe import threads
+
 __all__ = ["BatchError", "StepLoader"]
 
 
@@ -101,8 +103,7 @@ class StepLoader:
                 if self._closed.is_set() or item[2] is not None:
                     return
 
-        self._thread = threading.Thread(target=produce, name="gpipe-batches", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(produce, name="gpipe-batches", stop=self._closed.set)
         for _ in range(self.start, self.stop + 1):
             step, batch, error = made.get()
             if error is not None:

@@ -46,6 +46,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from gpipe import threads
+
 __all__ = ["PipelineError", "collective", "lost_ranks", "start_heartbeat", "watch_peers"]
 
 # Under torchrun the agent's store outlives a worker group that it restarts: the keys of each group
@@ -79,11 +81,14 @@ class _StoreCalls:
     def __init__(self, store: Any) -> None:
         self.store = store
         self.silent = threading.Event()
-        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], dict[str, Any], threading.Event]]
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], dict[str, Any], threading.Event] | None]
         self._calls = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name="gpipe-store").start()
+        self._stopped = False
+        threads.start(self._serve, name="gpipe-store", stop=self._stop)
 
     def __call__(self, call: Callable[[Any], T], seconds: float) -> T:
+        if self._stopped:
+            raise _StoreSilentError("the process is exiting: its calls to the store have ended")
         if self.silent.is_set():
             raise _StoreSilentError("the process group's store has not answered an earlier call")
         box: dict[str, Any] = {}
@@ -96,9 +101,13 @@ class _StoreCalls:
             raise box["error"]
         return box["value"]  # type: ignore[no-any-return]
 
+    def _stop(self) -> None:
+        self._stopped = True
+        self._calls.put(None)
+
     def _serve(self) -> None:
-        while True:
-            call, box, done = self._calls.get()
+        while (item := self._calls.get()) is not None:
+            call, box, done = item
             try:
                 box["value"] = call(self.store)
             except BaseException as exc:
@@ -222,8 +231,7 @@ class _Heartbeat:
         self.world, self.store, self.rank, self.interval = world, world.store, world.rank, interval
         self.lost: set[int] = set()  # the ranks found silent
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="gpipe-heartbeat")
-        self._thread.start()
+        self._thread = threads.start(self._beat, name="gpipe-heartbeat", stop=self._stop.set)
 
     def _beat(self) -> None:
         beats = 0
@@ -402,8 +410,7 @@ class _PeerWatch:
     def __init__(self, timeout: float, on_lost: Callable[[str], None] | None) -> None:
         self.timeout, self.on_lost = timeout, on_lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="gpipe-peer-watch")
-        self._thread.start()
+        self._thread = threads.start(self._watch, name="gpipe-peer-watch", stop=self._stop.set)
 
     def _watch(self) -> None:
         while (beat := _heartbeat) is None or not beat._thread.is_alive():  # (until a pipeline starts it)

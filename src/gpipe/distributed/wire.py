@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from gpipe import threads
 from gpipe.microbatch import Batch, flat_spec, is_flat_spec
 from gpipe.runtime.executor import AbortedError
 
@@ -111,7 +112,7 @@ class _Waiter:
 
     def __init__(self, name: str, idle: float = 10.0) -> None:
         self.name, self.idle = name, idle
-        self._queue: queue.SimpleQueue[tuple[Any, _Done]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, _Done] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running = False
 
@@ -121,19 +122,22 @@ class _Waiter:
             self._queue.put((work, done))
             if not self._running:
                 self._running = True
-                threading.Thread(target=self._run, daemon=True, name=f"gpipe-wait {self.name}").start()
+                threads.start(self._run, name=f"gpipe-wait {self.name}", stop=lambda: self._queue.put(None))
         return done
 
     def _run(self) -> None:
         while True:
             try:
-                work, done = self._queue.get(timeout=self.idle)
+                item = self._queue.get(timeout=self.idle)
             except queue.Empty:
+                item = None
+            if item is None:  # idle, or asked to stop (at exit)
                 with self._lock:
                     if self._queue.empty():
                         self._running = False
                         return
                 continue
+            work, done = item
             try:
                 work.wait()
             except BaseException as exc:  # handed to the thread that waits for it
