@@ -11,6 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from gpipe.cli import main
 from gpipe.models import transformer
 from gpipe.models.moe import MoEFeedForward, route, routing_metrics
 from gpipe.schedule import SCHEDULES
+from tests.dist_harness import POOL, Pool
 from tests.helpers import assert_all_close, assert_all_equal, even
 
 VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
@@ -93,10 +95,10 @@ def test_the_layer_is_its_experts_token_by_token(top_k: int) -> None:
     assert routing_metrics(ff) is None  # (read and reset)
 
 
-def moe_model() -> torch.nn.Sequential:
+def moe_model(capacity_factor: float = 1.25) -> torch.nn.Sequential:
     torch.manual_seed(0)
     return transformer(3, 32, 2, dim=16, vocab=20, max_len=16, dropout=0.1, experts=4, moe_every=1,
-                       moe_loss_weight=0.1, target_padding="end")  # fmt: skip
+                       moe_loss_weight=0.1, capacity_factor=capacity_factor, target_padding="end")  # fmt: skip
 
 
 def batch() -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -197,3 +199,65 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         assert main([*flags, *argv, "--out", str(tmp_path / "bad")]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def spread(steps: int) -> dict[str, Any]:
+    """A pool case (4 ranks): the MoE model as 2 replicas of 2 stages, its experts split over the 2
+    replicas (expert_parallel=2), ``steps`` steps of SGD; each rank's losses, gradients of the last
+    step (its parts of the experts'), its routing figures and how many expert values it holds."""
+    from torch.distributed.tensor import DTensor
+
+    model = moe_model(capacity_factor=0.5)
+    inputs, target = batch()
+    torch.manual_seed(3)
+    pipe = Pipeline(model, even(len(model), 2), chunks=2, loss_fn=token_loss, data_parallel=2, expert_parallel=2)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(inputs, target))
+        optimizer.step()
+    pipe.eval()
+    with torch.no_grad():
+        pipe(inputs)
+    grads = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in pipe.named_parameters()}
+    experts = [p for n, p in pipe.named_parameters() if ".experts." in n]
+    return {"losses": losses, "grads": grads, "routing": routing_metrics(pipe), "dp": pipe.dp_rank,
+            "held": sum(p.to_local().numel() for p in experts), "whole": sum(p.numel() for p in experts)}  # fmt: skip
+
+
+SPREAD = POOL.add(4, "moe expert-parallel", "test_moe:spread", steps=2)
+
+
+def test_experts_split_over_two_replicas_train_as_one_process_with_their_micro_batches(pool: Pool) -> None:
+    """expert_parallel=2 over 2 replicas of a 2-stage pipeline (chunks=2 each) trains as one process's
+    pipeline with chunks=4 (the replicas' micro-batches, seeded alike: dropout and the second expert's
+    random routing draw the same numbers, the same tokens drop): the same losses, gradients and
+    routing over two steps, to float32 rounding; each rank holds half of its stage's experts."""
+    ranks = pool(SPREAD)
+    model = moe_model(capacity_factor=0.5)
+    inputs, target = batch()
+    torch.manual_seed(3)
+    pipe = Pipeline(model, even(len(model), 2), chunks=4, loss_fn=token_loss, devices=["cpu"] * 2)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        losses.append(pipe.step(inputs, target))
+        optimizer.step()
+    pipe.eval()
+    with torch.no_grad():
+        pipe(inputs)
+    want = dict(pipe.named_parameters())
+    routing = routing_metrics(pipe)
+    assert routing is not None and routing["moe_dropped"] > 0  # (tokens are dropped: their choice matters)
+    for rank in ranks:
+        assert torch.stack(rank["losses"]).tolist() == pytest.approx(torch.stack(losses).tolist(), rel=1e-6)
+        assert rank["routing"] == pytest.approx(routing, rel=1e-5)
+        assert rank["held"] * 2 == rank["whole"] > 0
+        for name, grad in rank["grads"].items():
+            whole = want[name].grad
+            if ".experts." in name:  # this replica's half of the experts
+                half = whole.size(0) // 2
+                whole = whole[rank["dp"] * half : (rank["dp"] + 1) * half]
+            assert torch.allclose(grad, whole, rtol=1e-4, atol=1e-6), (name, (grad - whole).abs().max())

@@ -34,6 +34,7 @@ from gpipe.distributed import (
     start_heartbeat,
     tie_name,
 )
+from gpipe.distributed.experts import expert_group, split_experts
 from gpipe.distributed.failure import name_coordinates
 from gpipe.distributed.tensor_parallel import parallelize
 from gpipe.runtime.context import LossFn
@@ -111,6 +112,7 @@ def build(
     timeout: float = 60.0,
     data_parallel: int = 1,
     fsdp: bool = False,
+    expert_parallel: int = 1,
     tensor_parallel: int = 1,
     tp_plan: TpPlan = "auto",
     init_seed: int = 0,
@@ -126,7 +128,7 @@ def build(
         return _build_ranks(
             module, balance, schedule=schedule, chunks=chunks, loss_fn=loss_fn, devices=devices, virtual=virtual,
             deferred_batch_norm=deferred_batch_norm, timeout=timeout, data_parallel=data_parallel, fsdp=fsdp,
-            tensor_parallel=tensor_parallel, tp_plan=tp_plan,
+            expert_parallel=expert_parallel, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
             init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn,
         )  # fmt: skip
     if balance == "auto":
@@ -201,6 +203,7 @@ def _build_ranks(
     timeout: float,
     data_parallel: int,
     fsdp: bool,
+    expert_parallel: int,
     tensor_parallel: int,
     tp_plan: TpPlan,
     init_seed: int,
@@ -261,12 +264,14 @@ def _build_ranks(
     with collective("creation of the pipeline's process groups"):
         transport = ChannelTransport(placement, device, timeout=timeout)
     ties = _rank_ties(partitions, balance, tied, placement, timeout, sync=not defer)  # (deferred: see below)
-    comm = RankCollectives(
-        placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp, dp_rank=placement.replica // tp
-    )
     local = {s: partitions[s] for s in placement.local_stages}
     if tp > 1:  # after the ties' values agree; before FSDP shards what it split
         _split_layers(local, mesh["tp"], tp_plan, device)
+    edp_group = _spread_experts(local, device, (dp, expert_parallel, k, tp), timeout) if expert_parallel > 1 else None
+    comm = RankCollectives(
+        placement, device, dp_group=dp_group, pp_group=pp_group, data_parallel=dp, dp_rank=placement.replica // tp,
+        expert_parallel=expert_parallel, expert_dp_group=edp_group,
+    )  # fmt: skip
     materialize = (lambda: _materialize_shards(local, device, init_seed)) if defer else None
     sharding = StageSharding(local, mesh["dp"], materialize=materialize) if fsdp else None
     if materialize is not None and not fsdp:
@@ -287,6 +292,33 @@ def _build_ranks(
         planner_of(schedule, placement, virtual, comm, sharded=fsdp),
         sharding,
     )
+
+
+def _spread_experts(
+    local: dict[int, nn.Sequential], device: torch.device, sizes: tuple[int, int, int, int], timeout: float
+) -> Any:
+    """Split this rank's experts over its expert-parallel group (:mod:`gpipe.distributed.experts`);
+    the process group of the ranks holding the same experts (None: no other replica does). Refuses a
+    model with no experts anywhere (the count all-reduced)."""
+    dp, ep, k, tp = sizes
+    shape = (dp // ep, ep, k, tp) if tp > 1 else (dp // ep, ep, k)
+    with collective("creation of the expert-parallel mesh"):
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("edp", "ep", "pp", "tp")[: len(shape)])
+        experts = expert_group(mesh, timeout)
+    edp = mesh["edp"].get_group() if dp // ep > 1 else None
+    for group in (experts.group, edp):
+        if group is not None:
+            _set_pg_timeout(timedelta(seconds=timeout), group)
+    split = torch.tensor([split_experts(local, experts)], dtype=torch.int64, device=comm_device(device))
+    with collective("count of the layers whose experts were split"):
+        dist.all_reduce(split)
+    if int(split.item()) == 0:
+        raise ValueError(
+            f"expert_parallel={ep}, but no layer of the model has experts to split (a module with "
+            "gpipe_split_experts, as gpipe.models.MoEFeedForward): build the model with experts, or drop "
+            "expert_parallel"
+        )
+    return edp
 
 
 def _materialize_shards(local: dict[int, nn.Sequential], device: torch.device, init_seed: int) -> None:

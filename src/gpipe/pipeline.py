@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gpipe.checkpoint import Checkpoint, Selective, check_mode, checkpoint_stop, selective
 from gpipe.distributed import init_from_env
 from gpipe.distributed.devices import comm_device
+from gpipe.distributed.experts import check_expert_parallel
 from gpipe.distributed.tensor_parallel import TpPlan, check_plan
 from gpipe.engine import build
 from gpipe.microbatch import Share, batch_size, gather, scatter, scatter_pair
@@ -76,6 +77,10 @@ class Pipeline(nn.Module):
             reduce-scattered once after its last backward, as actions of the schedule
             (:func:`gpipe.schedule.ir.sharded`). Needs ``data_parallel`` >= 2; the parameters
             are then ``DTensor`` shards (build the optimizer from ``pipe.parameters()``).
+        expert_parallel: under torch.distributed, split the experts of each mixture-of-experts layer
+            (a module with ``gpipe_split_experts``: :class:`gpipe.models.MoEFeedForward`) over this
+            many replicas (it divides ``data_parallel``), with an all-to-all of the tokens per layer
+            and micro-batch (:mod:`gpipe.distributed.experts`). Not with ``fsdp`` yet.
         tensor_parallel: under torch.distributed, split each layer that has a plan over this many
             ranks (world = data_parallel x K x tensor_parallel, a DeviceMesh ("dp", "pp", "tp")):
             the tp ranks of a stage run it together on the same micro-batches.
@@ -111,6 +116,7 @@ class Pipeline(nn.Module):
         timeout: float = 60.0,
         data_parallel: int = 1,
         fsdp: bool = False,
+        expert_parallel: int = 1,
         tensor_parallel: int = 1,
         tp_plan: TpPlan = "auto",
         init_seed: int = 0,
@@ -151,6 +157,7 @@ class Pipeline(nn.Module):
                 f"fsdp=True shards each stage over its data-parallel replicas, but data_parallel={data_parallel}: "
                 "give data_parallel >= 2 (world = data_parallel x stages under torchrun)"
             )
+        check_expert_parallel(expert_parallel, data_parallel, fsdp=fsdp, distributed=distributed)
         self.loss_count, self.virtual = loss_count, virtual
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
         # What the layers say about generating (gpipe.generation.traced.cached_layers's), for generate.
@@ -163,7 +170,8 @@ class Pipeline(nn.Module):
             as_layers(module, sample, self.chunks * data_parallel), as_balance(balance), schedule=schedule,
             chunks=self.chunks, loss_fn=loss_fn,
             devices=devices, virtual=virtual, cpu_threads=cpu_threads, deferred_batch_norm=deferred_batch_norm,
-            timeout=timeout, data_parallel=data_parallel, fsdp=fsdp, tensor_parallel=tensor_parallel,
+            timeout=timeout, data_parallel=data_parallel, fsdp=fsdp, expert_parallel=expert_parallel,
+            tensor_parallel=tensor_parallel,
             tp_plan=tp_plan, init_seed=init_seed, sample=sample, tied=tied, init_fn=init_fn, distributed=distributed,
         )  # fmt: skip
         self.partitions = nn.ModuleDict({str(s): p for s, p in self.engine.partitions.items()})
@@ -172,7 +180,7 @@ class Pipeline(nn.Module):
         if isinstance(self.checkpoint, Selective):
             self.checkpoint.check_layers(sum(self.balance))
         self.distributed, self.data_parallel, self.fsdp = distributed, data_parallel, fsdp
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
         self.schedule_for(self.chunks)  # fail now, not at the first step, if the schedule can't be made
         self.measure_memory = measure_memory
         self.last_trace: StepTrace | None = None
@@ -234,6 +242,7 @@ class Pipeline(nn.Module):
                 targets=[last.receive(t).value for t in targets] if last is not None else None,
                 loss_scale=scale,
                 shares=shares,
+                first_microbatch=comm.dp_rank * self.chunks,
             )
             schedule = self.schedule_for(len(batches))
             meter = self.measure_memory or engine.planner.measures_memory(len(batches))
@@ -284,8 +293,9 @@ class Pipeline(nn.Module):
         seed = self.engine.comm.seed()
         with torch.no_grad():
             ctx = StepContext.capture(
-                num_microbatches=len(batches), checkpoint_stop=0, training=self.training, seed=seed
-            )
+                num_microbatches=len(batches), checkpoint_stop=0, training=self.training, seed=seed,
+                first_microbatch=self.engine.comm.dp_rank * self.chunks,
+            )  # fmt: skip
             _, outputs = self.engine.executor.forward(self.schedule_for(len(batches)), batches, ctx)
         return gather(outputs) if outputs else None
 

@@ -32,6 +32,7 @@ class Collectives:
 
     data_parallel = 1
     dp_rank = 0
+    expert_parallel = 1
 
     def seed(self) -> int:
         """The step's seed (the same on every rank)."""
@@ -84,9 +85,13 @@ class RankCollectives(Collectives):
         pp_group: Any,
         data_parallel: int,
         dp_rank: int | None = None,
+        expert_parallel: int = 1,
+        expert_dp_group: Any = None,
     ) -> None:
         self.placement, self.device = placement, device
         self.dp_group, self.pp_group = dp_group, pp_group
+        # (experts split over an expert-parallel group: their copies are on the ranks of this group)
+        self.expert_parallel, self.expert_dp_group = expert_parallel, expert_dp_group
         # (with tensor parallelism a pipeline per (dp, tp) coordinate: the replica is not the dp rank)
         self.data_parallel, self.dp_rank = data_parallel, placement.replica if dp_rank is None else dp_rank
         self._comm_device = comm_device(device)  # (the loss's: where it is, under NCCL)
@@ -123,16 +128,13 @@ class RankCollectives(Collectives):
 
     def reduce_gradients(self, grads: Sequence[Tensor]) -> None:
         """Sum a stage's gradients over its replicas in one collective (each replica's loss is
-        already scaled by its share of the global mini-batch)."""
-        if self.dp_group is None or not grads:
-            return
-        # Split layers' gradients (tensor parallelism) are DTensors: a replica's peers hold the same shards.
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        with collective("all-reduce of the gradients over the data-parallel replicas", self.dp_group):
-            dist.all_reduce(flat, group=self.dp_group)
-        for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
+        already scaled by its share of the global mini-batch); split experts' over the replicas
+        holding the same experts (their all-to-all already brought in the others' tokens)."""
+        experts = [g for g in grads if _expert_split(g)]
+        dense = [g for g in grads if not _expert_split(g)]
+        what = "all-reduce of the gradients over the data-parallel replicas"
+        _sum(dense, self.dp_group, what)
+        _sum(experts, self.expert_dp_group, "all-reduce of the experts' gradients over their copies")
 
     def loss(self, value: Tensor | None) -> Tensor:
         if value is not None and self.dp_group is not None:
@@ -150,3 +152,21 @@ class RankCollectives(Collectives):
         with collective(f"broadcast from the last stage's rank {last}", self.pp_group):
             dist.broadcast(buf, src=last, group=self.pp_group)
             return buf.to(self.device)
+
+
+def _expert_split(grad: Tensor) -> bool:
+    """A gradient of experts split over an expert-parallel group (:mod:`gpipe.distributed.experts`)."""
+    return isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names == ("ep",)
+
+
+def _sum(grads: Sequence[Tensor], group: Any, what: str) -> None:
+    """Sum ``grads`` over ``group`` in one all-reduce (none without a group)."""
+    if group is None or not grads:
+        return
+    # Split layers' gradients (tensor parallelism) are DTensors: a replica's peers hold the same shards.
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with collective(what, group):
+        dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))

@@ -40,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 from gpipe.auxiliary import with_auxiliary_loss
 from gpipe.cache import decoding as _decoding
 from gpipe.distributed.devices import comm_device
+from gpipe.distributed.experts import ExpertGroup, exchange
 from gpipe.distributed.failure import collective
 
 __all__ = ["Experts", "MoEFeedForward", "Routing", "active_parameters", "check_moe", "route", "routing_metrics"]
@@ -57,13 +59,12 @@ class Experts(nn.Module):
     ``inner_weight`` (E, dim, hidden), ``inner_bias`` (E, hidden), ``outer_weight`` (E, hidden, dim),
     ``outer_bias`` (E, dim). Called on an (E, C, dim) buffer, expert e on row e."""
 
-    def __init__(self, experts: int, dim: int, hidden: int, dropout: float, init_scale: float) -> None:
+    def __init__(self, experts: int, dim: int, hidden: int, init_scale: float) -> None:
         super().__init__()
         self.inner_weight = nn.Parameter(torch.empty(experts, dim, hidden))
         self.inner_bias = nn.Parameter(torch.empty(experts, hidden))
         self.outer_weight = nn.Parameter(torch.empty(experts, hidden, dim))
         self.outer_bias = nn.Parameter(torch.empty(experts, dim))
-        self.dropout = nn.Dropout(dropout)
         self.init_scale = init_scale
         self.reset_parameters()
 
@@ -80,10 +81,30 @@ class Experts(nn.Module):
     def count(self) -> int:
         return self.inner_weight.size(0)
 
-    def forward(self, x: Tensor) -> Tensor:  # (E, C, dim) -> (E, C, dim)
-        h = torch.relu(torch.baddbmm(self.inner_bias.unsqueeze(1), x, self.inner_weight))
-        out: Tensor = torch.baddbmm(self.outer_bias.unsqueeze(1), self.dropout(h), self.outer_weight)
+    def forward(self, x: Tensor) -> Tensor:  # (E, C, dim) -> (E, C, dim); split: this rank's experts
+        inner_w, inner_b, outer_w, outer_b = (
+            _local(p) for p in (self.inner_weight, self.inner_bias, self.outer_weight, self.outer_bias)
+        )
+        h = torch.relu(torch.baddbmm(inner_b.unsqueeze(1), x, inner_w))
+        out: Tensor = torch.baddbmm(outer_b.unsqueeze(1), h, outer_w)
         return out
+
+    def split(self, experts: ExpertGroup) -> None:
+        """Keep this rank's slice of the experts (``experts.rank`` of ``experts.size`` equal slices), as
+        ``DTensor`` shards of the whole (dim 0 over ``experts.mesh``): a checkpoint reads and writes
+        them at any number of expert ranks."""
+        count = self.count
+        if count % experts.size:
+            raise ValueError(
+                f"{count} experts cannot be split evenly over {experts.size} expert-parallel ranks: give a "
+                "number of experts that the expert-parallel degree divides"
+            )
+        share = count // experts.size
+        for name, param in list(self.named_parameters(recurse=False)):
+            local = param.detach()[experts.rank * share : (experts.rank + 1) * share].clone()
+            whole = DTensor.from_local(local, experts.mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                       stride=param.stride())  # fmt: skip
+            setattr(self, name, nn.Parameter(whole, requires_grad=param.requires_grad))
 
 
 class Routing:
@@ -157,13 +178,22 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         check_moe(experts, top_k, capacity_factor, loss_weight)
         self.gate = nn.Linear(dim, experts, bias=False)
-        self.experts = Experts(experts, dim, hidden, dropout, init_scale)
+        self.experts = Experts(experts, dim, hidden, init_scale)
+        # On the experts' outputs, where the tokens live: the same numbers wherever the experts are.
+        self.dropout = nn.Dropout(dropout)
         self.top_k, self.capacity_factor, self.loss_weight = top_k, capacity_factor, loss_weight
         self.register_buffer("routing", torch.zeros(len(ROUTING)), persistent=False)
+        self.spread: ExpertGroup | None = None  # the expert-parallel group its experts are split over
 
     def reset_parameters(self) -> None:
         """The routing figures counted again (the gate and the experts reset their own parameters)."""
         self.routing.zero_()
+
+    def gpipe_split_experts(self, experts: ExpertGroup) -> None:
+        """Split this layer's experts over an expert-parallel group (:mod:`gpipe.distributed.experts`):
+        each rank keeps its slice, and the tokens go to them by all-to-all."""
+        self.experts.split(experts)
+        self.spread = experts
 
     def capacity(self, positions: int) -> int:
         return math.ceil(self.capacity_factor * self.top_k * positions / self.experts.count)
@@ -189,7 +219,8 @@ class MoEFeedForward(nn.Module):
         # Row e*c of the buffer takes the dropped assignments: never computed, and zero on the way back.
         slots = torch.where(routing.slots < e * c, routing.slots, e * c)
         buffer = flat.new_zeros(e * c + 1, shape[-1]).index_put((slots.reshape(-1),), flat.repeat_interleave(k, 0))
-        done = self.experts(buffer[: e * c].view(e, c, -1))
+        rows = buffer[: e * c]
+        done = self.dropout(self.experts(rows.view(e, c, -1)) if self.spread is None else self._spread(rows, c))
         out_rows = torch.cat([done.reshape(e * c, -1).to(flat.dtype), flat.new_zeros(1, shape[-1])])
         picked = out_rows[slots]  # (N, k, D)
         out = (picked * routing.weights.unsqueeze(-1).to(picked.dtype)).sum(1).view(shape)
@@ -198,6 +229,27 @@ class MoEFeedForward(nn.Module):
                                    routing.aux.new_ones(())])  # fmt: skip
             self.routing.add_(figures.to(self.routing.device))
         return with_auxiliary_loss(out, self.loss_weight * routing.aux) if self.loss_weight else out
+
+    def _spread(self, rows: Tensor, capacity: int) -> Tensor:
+        """The experts of the (E*C, D) dispatch buffer ``rows`` computed where they live: each rank's
+        slice of the experts sent there (one all-to-all), computed on the rows of every replica of
+        the group, and sent back (another); (E, C, D) in expert order."""
+        group = self.spread
+        assert group is not None
+        share, n = self.experts.count // group.size, group.size
+        capacities = group.capacities(capacity)
+        mine = [share * c for c in capacities]  # the rows each replica sends to each rank
+        received = exchange(rows, group, [share * capacity] * n, mine)
+        parts = [part.view(share, c, -1) for part, c in zip(torch.split(received, mine), capacities)]
+        done = self.experts(torch.cat(parts, dim=1))  # (share, all the replicas' C, D)
+        pieces = zip(torch.split(done, capacities, dim=1), capacities)
+        back = torch.cat([part.reshape(share * c, -1) for part, c in pieces])
+        return exchange(back, group, mine, [share * capacity] * n).view(self.experts.count, capacity, -1)
+
+
+def _local(param: Tensor) -> Tensor:
+    """This rank's part of a parameter (a split expert's ``DTensor``), or the parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def active_parameters(model: nn.Module) -> int:

@@ -43,6 +43,10 @@ class StepContext:
     shares: Sequence[float] | None = None
     """Each micro-batch's share of the mini-batch (its rows over the mini-batch's, every replica's):
     what an auxiliary loss is weighted by (:mod:`gpipe.auxiliary`)."""
+    first_microbatch: int = 0
+    """The index, among the mini-batch's micro-batches (every replica's), of this replica's first one:
+    replica r of a pipeline of M chunks has micro-batches r*M .. r*M+M-1, each seeded by its index, so
+    that replicas draw different numbers (and a run of D replicas draws as one process with D*M chunks)."""
 
     @staticmethod
     def capture(
@@ -55,6 +59,7 @@ class StepContext:
         loss_scale: Sequence[float] | None = None,
         selective: Selective | None = None,
         shares: Sequence[float] | None = None,
+        first_microbatch: int = 0,
     ) -> StepContext:
         grad = torch.is_grad_enabled()
         autocast = tuple(
@@ -62,7 +67,10 @@ class StepContext:
         )
         stop = checkpoint_stop if grad and training else 0
         policy = selective if stop else None
-        return StepContext(seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale, policy, shares)
+        return StepContext(
+            seed, num_microbatches, stop, grad, training, autocast, targets, loss_scale, policy, shares,
+            first_microbatch,
+        )  # fmt: skip
 
     @contextmanager
     def applied(self, device: torch.device) -> Iterator[None]:

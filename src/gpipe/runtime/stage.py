@@ -191,7 +191,8 @@ class Stage:
         draws = self._draws[ctx.training]
         if draws[i] is False:
             return layer(value)
-        with Seeded(self.device, derive_seed(ctx.seed, self.first + i, m), probe=draws[i] is None) as seeded:
+        seed = derive_seed(ctx.seed, self.first + i, ctx.first_microbatch + m)
+        with Seeded(self.device, seed, probe=draws[i] is None) as seeded:
             out = layer(value)
         if draws[i] is None:
             draws[i] = seeded.drew

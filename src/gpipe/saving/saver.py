@@ -89,8 +89,9 @@ def save(
     target = root / f"step-{step:08d}"
     staging = root / f".{target.name}.tmp"
     leader = group is None or dist.get_rank(group) == 0
-    # Data-parallel replicas hold the same layers; sharded ones (fsdp) each hold a part of them.
-    writes = engine.comm.dp_rank == 0 or engine.sharding is not None
+    # Data-parallel replicas hold the same layers; sharded ones (fsdp) each hold a part of them, and the
+    # first expert-parallel group's replicas each a part of the experts (DCP keeps one copy of the rest).
+    writes = engine.comm.dp_rank < engine.comm.expert_parallel or engine.sharding is not None
 
     # Every rank is here (its files of this step, if any, are written): rank 0 prepares the folder.
     entries, error = _run(lambda: _entries(model, optimizer) if writes else {})
