@@ -75,7 +75,7 @@ _GROUPS = {
     "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
               "filters", "reference_cells", "classes", "image_size", "dropout", "logit_clip", "transparent"),
     "mixture of experts": ("experts", "expert_top_k", "capacity_factor", "moe_every", "moe_loss_weight"),
-    "pipeline": ("partitions", "devices", "data_parallel", "fsdp", "tensor_parallel", "chunks", "schedule",
+    "pipeline": ("partitions", "devices", "data_parallel", "fsdp", "expert_parallel", "tensor_parallel", "chunks", "schedule",
                  "checkpoint", "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
                  "precision", "seed"),

@@ -215,7 +215,7 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
     one of them without ``--experts``, experts of a model other than the Transformer, fewer experts than
     a token takes, a ``--moe-every`` that leaves no layer a mixture, with tensor parallelism."""
     if not cfg.experts:
-        given = [name for name in _MOE_FLAGS if getattr(cfg, name) != defaults[name]]
+        given = [name for name in (*_MOE_FLAGS, "expert_parallel") if getattr(cfg, name) != defaults[name]]
         if given:
             return (
                 f"--{flag(given[0])} is for a mixture of experts: give --experts E too (the experts of every "
@@ -242,6 +242,17 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
         return (
             f"--experts with --tensor-parallel {cfg.tensor_parallel}: tensor parallelism does not split a mixture of "
             "experts (each rank would route with its own random numbers); leave one of them out"
+        )
+    n = cfg.expert_parallel
+    if n > 1 and (cfg.data_parallel % n or cfg.experts % n):
+        return (
+            f"--expert-parallel {n} splits the experts over {n} of the replicas: it must divide --data-parallel "
+            f"{cfg.data_parallel} and --experts {cfg.experts}"
+        )
+    if n > 1 and cfg.fsdp:
+        return (
+            f"--expert-parallel {n} with --fsdp is not supported yet (FSDP would shard the split experts again); "
+            "leave one of them out"
         )
     return None
 

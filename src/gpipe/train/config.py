@@ -186,6 +186,13 @@ class TrainConfig:
             "its D replicas (FSDP2) instead of copying them; a rank keeps 1/D of them"
         },
     )
+    expert_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "with --experts E and --data-parallel D: split each mixture's experts over N of the D replicas "
+            "(N divides D and E), the tokens sent to them and back by all-to-all; a rank keeps E/N experts"
+        },
+    )
     tensor_parallel: int = field(
         default=1,
         metadata={
@@ -410,7 +417,7 @@ class TrainConfig:
                 f"{self.tensor_parallel}; start torchrun with a multiple, or give --data-parallel"
             )
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
-                    "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_batches",
+                    "expert_parallel", "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_batches",
                     "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:

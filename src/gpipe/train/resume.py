@@ -5,8 +5,9 @@ resumed run keeps its own settings: the command line merges what a run saved in 
 setting that differs from the run's (the flags that overrode it), refuses those that cannot change in the
 middle of a run (the model's size, its data, the optimizer) and a ``--steps`` before the checkpoint, and
 tells a finished run from one with steps left. The layout (``--partitions``, ``--data-parallel``,
-``--fsdp``) may change: a checkpoint loads into any; a sharded run resumed with ``--data-parallel 1``
-drops its ``--fsdp``. So may ``--precision`` (named, like ``--lr``): a checkpoint's weights and
+``--fsdp``, ``--expert-parallel``) may change: a checkpoint loads into any; a sharded run resumed with
+``--data-parallel 1`` drops its ``--fsdp``, and one whose experts were split over more replicas than it
+resumes with, its ``--expert-parallel``. So may ``--precision`` (named, like ``--lr``): a checkpoint's weights and
 optimizer state are float32 whatever the run computed in. ``--devices`` is not the run's but this
 invocation's (as ``--out``): a run resumes on other hardware with ``auto``, or the ``--devices`` given."""
 
@@ -136,6 +137,8 @@ def resumed_settings(given: dict[str, Any]) -> dict[str, Any]:
     settings = {**saved, **given}
     if "fsdp" not in given and settings.get("data_parallel", 1) < 2:
         settings["fsdp"] = False  # a sharded run resumed without replicas: nothing to shard over (named as changed)
+    if "expert_parallel" not in given and settings.get("data_parallel", 1) % settings.get("expert_parallel", 1):
+        settings["expert_parallel"] = 1  # the experts split over more replicas than resume: whole on each (named)
     return settings
 
 

@@ -127,6 +127,7 @@ def make_pipeline(
         devices=_devices(cfg),
         data_parallel=cfg.data_parallel,
         fsdp=cfg.fsdp,
+        expert_parallel=cfg.expert_parallel,
         tensor_parallel=cfg.tensor_parallel,
         init_seed=cfg.seed,
         cpu_threads=cfg.threads,
