@@ -417,8 +417,8 @@ class TrainConfig:
                 f"{self.tensor_parallel}; start torchrun with a multiple, or give --data-parallel"
             )
         positive = ("hidden", "heads", "dim", "filters", "image_size", "partitions", "data_parallel",
-                    "expert_parallel", "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads", "eval_batches",
-                    "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
+                    "expert_parallel", "tensor_parallel", "chunks", "batch", "steps", "warmup", "threads",
+                    "eval_batches", "checkpoint_every", "eval_sentences", "beam", "max_skips")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{flag(name)} must be positive (got {getattr(self, name)})")
