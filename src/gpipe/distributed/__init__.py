@@ -25,7 +25,8 @@ data, models, ...). Modules: ``failure`` (the failure watch), ``wire`` (a channe
 operations), ``channels`` (the transport),
 ``collectives`` (the collectives of a step), ``group`` (the default process group), ``streams`` (a
 decode's messages), ``sharding`` (stages sharded over their data-parallel group: FSDP),
-``tensor_parallel`` (layers split over the tp group), ``devices`` (a rank's device and the device of its
+``tensor_parallel`` (layers split over the tp group), ``experts`` (experts split over an expert-parallel
+group: the all-to-all of a mixture's tokens), ``devices`` (a rank's device and the device of its
 collectives; the devices of ``--devices``).
 """
 
