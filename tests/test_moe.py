@@ -197,10 +197,6 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         (["--expert-parallel", "2"], "--expert-parallel is for a mixture of experts"),
         (["--experts", "4", "--expert-parallel", "2"], "must divide --data-parallel 1 and --experts 4"),
         (["--experts", "3", "--expert-parallel", "2", "--data-parallel", "2"], "must divide --data-parallel 2 and"),
-        (
-            ["--experts", "4", "--expert-parallel", "2", "--data-parallel", "2", "--fsdp"],
-            "with --fsdp is not supported",
-        ),
         (["--experts", "4", "--expert-parallel", "0"], "--expert-parallel must be positive"),
     ]
     for argv, message in bad:
@@ -272,26 +268,29 @@ def test_experts_split_over_two_replicas_train_as_one_process_with_their_micro_b
 
 
 def test_gpipe_train_splits_the_experts_over_replicas_and_the_run_resumes_in_one_process(tmp_path: Path) -> None:
-    """torchrun, 2 ranks: --data-parallel 2 --expert-parallel 2 (chunks 4 each) gives the losses,
-    held-out losses and dropped tokens of one process with --chunks 8; each rank writes its experts,
-    and the run resumes in one process, going on as the uninterrupted run."""
+    """torchrun, 2 ranks: --data-parallel 2 --expert-parallel 2 (chunks 4 each), replicated or with
+    --fsdp, gives the losses, held-out losses and dropped tokens of one process with --chunks 8; each
+    rank writes its experts, and the run resumes in one process, going on as the uninterrupted run."""
     from tests.test_train_data_parallel import FLAGS, finish, rows, start_train
 
     moe = ["--experts", "4", "--moe-every", "1", "--capacity-factor", "0.5"]
-    spread, whole = tmp_path / "spread", tmp_path / "whole"
-    job = start_train(2, "--partitions", "1", "--data-parallel", "2", "--expert-parallel", "2", *moe, "--steps", "4",
-                      "--out", str(spread))  # fmt: skip
-    # (the run in one process, while torchrun's runs)
+    whole = tmp_path / "whole"
+    layouts = {"replicated": [], "fsdp": ["--fsdp"]}
+    jobs = {name: start_train(2, "--partitions", "1", "--data-parallel", "2", "--expert-parallel", "2", *flags, *moe,
+                              "--steps", "4", "--out", str(tmp_path / name))
+            for name, flags in layouts.items()}  # fmt: skip
+    # (the run in one process, while torchrun's run)
     assert main(["train", *FLAGS, "--partitions", "1", "--chunks", "8", *moe, "--steps", "6", "--out", str(whole)]) == 0
-    finish(job)
-    step = spread / "checkpoints" / "step-00000004"
-    assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # each its experts
-    assert main(["train", "--resume", "--out", str(spread), "--data-parallel", "1", "--chunks", "8", "--steps", "6",
-                 "--no-progress"]) == 0  # fmt: skip
     keys = ("step", "loss", "eval_loss", "moe_dropped", "moe_aux_loss")
-    got = [{k: r[k] for k in keys if k in r} for r in rows(spread)]
     want = [{k: r[k] for k in keys if k in r} for r in rows(whole)]
-    assert [r["step"] for r in got] == list(range(1, 7)) and any(
-        "moe_dropped" in r and r["moe_dropped"] > 0 for r in got
-    )
-    assert got == [{k: pytest.approx(v, rel=1e-6) for k, v in r.items()} for r in want]
+    assert [r["step"] for r in want] == list(range(1, 7))
+    assert any(r.get("moe_dropped", 0) > 0 for r in want)  # (dropping tokens: which ones matters)
+    for name, job in jobs.items():
+        finish(job)
+        spread = tmp_path / name
+        step = spread / "checkpoints" / "step-00000004"
+        assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # each its experts
+        assert main(["train", "--resume", "--out", str(spread), "--data-parallel", "1", "--chunks", "8", "--steps",
+                     "6", "--no-progress"]) == 0  # fmt: skip
+        got = [{k: r[k] for k in keys if k in r} for r in rows(spread)]
+        assert got == [{k: pytest.approx(v, rel=1e-6) for k, v in r.items()} for r in want], name

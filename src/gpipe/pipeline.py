@@ -80,7 +80,8 @@ class Pipeline(nn.Module):
         expert_parallel: under torch.distributed, split the experts of each mixture-of-experts layer
             (a module with ``gpipe_split_experts``: :class:`gpipe.models.MoEFeedForward`) over this
             many replicas (it divides ``data_parallel``), with an all-to-all of the tokens per layer
-            and micro-batch (:mod:`gpipe.distributed.experts`). Not with ``fsdp`` yet.
+            and micro-batch (:mod:`gpipe.distributed.experts`). With ``fsdp``, FSDP shards the
+            other parameters.
         tensor_parallel: under torch.distributed, split each layer that has a plan over this many
             ranks (world = data_parallel x K x tensor_parallel, a DeviceMesh ("dp", "pp", "tp")):
             the tp ranks of a stage run it together on the same micro-batches.
@@ -157,7 +158,7 @@ class Pipeline(nn.Module):
                 f"fsdp=True shards each stage over its data-parallel replicas, but data_parallel={data_parallel}: "
                 "give data_parallel >= 2 (world = data_parallel x stages under torchrun)"
             )
-        check_expert_parallel(expert_parallel, data_parallel, fsdp=fsdp, distributed=distributed)
+        check_expert_parallel(expert_parallel, data_parallel, distributed=distributed)
         self.loss_count, self.virtual = loss_count, virtual
         self.trains = loss_fn is not None  # (an inference pipeline's step refuses)
         # What the layers say about generating (gpipe.generation.traced.cached_layers's), for generate.
@@ -249,8 +250,8 @@ class Pipeline(nn.Module):
             run, losses = engine.executor.step(schedule, batches, ctx, measure_memory=meter)
         engine.planner.observe(len(batches), schedule, run.trace, run.meter)
         comm.sync_ties(engine.ties)
-        if not self.fsdp:  # sharded stages reduce-scattered theirs in the schedule's G actions
-            comm.reduce_gradients([p.grad for p in self.parameters() if p.grad is not None])
+        # (sharded stages reduce-scattered theirs in the schedule's G actions, all but split experts')
+        comm.reduce_gradients([p.grad for p in self.parameters() if p.grad is not None], dense=not self.fsdp)
         peak = tuple(run.meter.peak) if run.meter is not None else None
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from gpipe.distributed.devices import comm_device
+from gpipe.distributed.experts import is_split_expert
 from gpipe.distributed.failure import collective
 from gpipe.microbatch import batch_size, scatter
 from gpipe.rng import step_seed
@@ -47,8 +48,8 @@ class Collectives:
         for tie in ties:
             tie.sync_grads()
 
-    def reduce_gradients(self, grads: Sequence[Tensor]) -> None:
-        """Sum gradients over the data-parallel replicas."""
+    def reduce_gradients(self, grads: Sequence[Tensor], *, dense: bool = True) -> None:
+        """Sum gradients over the data-parallel replicas (``dense=False``: the split experts' alone)."""
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order, on every rank."""
@@ -126,14 +127,15 @@ class RankCollectives(Collectives):
             dist.all_gather_object(found, value)
         return found
 
-    def reduce_gradients(self, grads: Sequence[Tensor]) -> None:
+    def reduce_gradients(self, grads: Sequence[Tensor], *, dense: bool = True) -> None:
         """Sum a stage's gradients over its replicas in one collective (each replica's loss is
         already scaled by its share of the global mini-batch); split experts' over the replicas
-        holding the same experts (their all-to-all already brought in the others' tokens)."""
-        experts = [g for g in grads if _expert_split(g)]
-        dense = [g for g in grads if not _expert_split(g)]
-        what = "all-reduce of the gradients over the data-parallel replicas"
-        _sum(dense, self.dp_group, what)
+        holding the same experts (their all-to-all already brought in the others' tokens).
+        ``dense=False``: the split experts' alone (FSDP reduced the others)."""
+        experts = [g for g in grads if is_split_expert(g)]
+        if dense:
+            what = "all-reduce of the gradients over the data-parallel replicas"
+            _sum([g for g in grads if not is_split_expert(g)], self.dp_group, what)
         _sum(experts, self.expert_dp_group, "all-reduce of the experts' gradients over their copies")
 
     def loss(self, value: Tensor | None) -> Tensor:
@@ -152,11 +154,6 @@ class RankCollectives(Collectives):
         with collective(f"broadcast from the last stage's rank {last}", self.pp_group):
             dist.broadcast(buf, src=last, group=self.pp_group)
             return buf.to(self.device)
-
-
-def _expert_split(grad: Tensor) -> bool:
-    """A gradient of experts split over an expert-parallel group (:mod:`gpipe.distributed.experts`)."""
-    return isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names == ("ep",)
 
 
 def _sum(grads: Sequence[Tensor], group: Any, what: str) -> None:

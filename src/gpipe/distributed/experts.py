@@ -35,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from gpipe.distributed.failure import collective
 
-__all__ = ["ExpertGroup", "check_expert_parallel", "exchange", "expert_group", "split_experts"]
+__all__ = ["ExpertGroup", "check_expert_parallel", "exchange", "expert_group", "is_split_expert", "split_experts"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ExpertGroup:
         return [int(c) for c in found.tolist()]
 
 
-def check_expert_parallel(expert_parallel: int, data_parallel: int, *, fsdp: bool, distributed: bool) -> None:
+def check_expert_parallel(expert_parallel: int, data_parallel: int, *, distributed: bool) -> None:
     """``Pipeline(expert_parallel=...)`` checked against the layout, refused in one line."""
     if not isinstance(expert_parallel, int) or isinstance(expert_parallel, bool) or expert_parallel <= 0:
         raise ValueError(f"expert_parallel must be a positive integer (expert_parallel: {expert_parallel!r})")
@@ -79,11 +80,11 @@ def check_expert_parallel(expert_parallel: int, data_parallel: int, *, fsdp: boo
             f"expert_parallel must divide data_parallel: the experts are split over groups of that many replicas "
             f"(expert_parallel: {expert_parallel}, data_parallel: {data_parallel})"
         )
-    if fsdp:
-        raise ValueError(
-            f"expert_parallel={expert_parallel} with fsdp=True is not supported yet: FSDP would shard the split "
-            "experts again; use replicated data parallelism with expert_parallel, or fsdp without it"
-        )
+
+
+def is_split_expert(tensor: Tensor) -> bool:
+    """A parameter (or its gradient) of experts split over an expert-parallel group."""
+    return isinstance(tensor, DTensor) and tensor.device_mesh.mesh_dim_names == ("ep",)
 
 
 def expert_group(mesh: DeviceMesh, timeout: float) -> ExpertGroup:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gpipe.distributed.experts import is_split_expert
 from gpipe.distributed.failure import collective
 from gpipe.schedule.ir import Action, ActionKind
 
@@ -51,13 +52,16 @@ class StageSharding:
         self, partitions: Mapping[int, nn.Module], mesh: DeviceMesh, *, materialize: Callable[[], None] | None = None
     ) -> None:
         """``materialize``: for partitions left on the meta device, called once they are sharded
-        (their parameters DTensors of this rank's shards), to give them storage and values."""
+        (their parameters DTensors of this rank's shards), to give them storage and values. Experts
+        split over an expert-parallel group (:mod:`gpipe.distributed.experts`) are split already:
+        FSDP leaves them alone."""
         self._group = mesh.get_group()
         self._holders: dict[int, FSDPModule] = {}
         for s, partition in partitions.items():
-            if not any(True for _ in partition.parameters()):
+            split = {p for p in partition.parameters() if is_split_expert(p)}
+            if not any(p not in split for p in partition.parameters()):
                 continue  # nothing to shard: U, G and R are no-ops for it
-            holder = fully_shard(_Holder(partition), mesh=mesh, reshard_after_forward=False)
+            holder = fully_shard(_Holder(partition), mesh=mesh, reshard_after_forward=False, ignored_params=split)
             # A sum (the losses are scaled already), reduced as a plain SUM (gloo has no PREMUL_SUM).
             holder.set_gradient_divide_factor(1.0)
             holder.set_force_sum_reduction_for_comms(True)

@@ -249,11 +249,6 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
             f"--expert-parallel {n} splits the experts over {n} of the replicas: it must divide --data-parallel "
             f"{cfg.data_parallel} and --experts {cfg.experts}"
         )
-    if n > 1 and cfg.fsdp:
-        return (
-            f"--expert-parallel {n} with --fsdp is not supported yet (FSDP would shard the split experts again); "
-            "leave one of them out"
-        )
     return None
 
 
