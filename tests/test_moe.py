@@ -198,6 +198,7 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         (["--experts", "4", "--expert-parallel", "2"], "must divide --data-parallel 1 and --experts 4"),
         (["--experts", "3", "--expert-parallel", "2", "--data-parallel", "2"], "must divide --data-parallel 2 and"),
         (["--experts", "4", "--expert-parallel", "0"], "--expert-parallel must be positive"),
+        (["--model", "hf", "--expert-parallel", "2"], "a Hugging Face model's experts over ranks is not supported"),
     ]
     for argv, message in bad:
         assert main([*flags, *argv, "--out", str(tmp_path / "bad")]) == 2, argv

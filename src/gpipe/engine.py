@@ -315,7 +315,7 @@ def _spread_experts(
     if int(split.item()) == 0:
         raise ValueError(
             f"expert_parallel={ep}, but no layer of the model has experts to split (a module with "
-            "gpipe_split_experts, as gpipe.models.MoEFeedForward): build the model with experts, or drop "
+            "gpipe_split_experts, as gpipe.models.moe.MoEFeedForward): build the model with experts, or drop "
             "expert_parallel"
         )
     return edp

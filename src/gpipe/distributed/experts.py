@@ -21,7 +21,7 @@ parameters are summed over every replica as before.
 
 A module takes part by defining ``gpipe_split_experts(experts: ExpertGroup)``: it keeps its slice of
 its experts (as ``DTensor`` shards of the whole, so that checkpoints load at any degree) and
-exchanges through the group. :class:`gpipe.models.MoEFeedForward` does.
+exchanges through the group. ``gpipe.models.moe.MoEFeedForward`` does.
 """
 
 from __future__ import annotations

@@ -214,6 +214,11 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
     """What is wrong with the mixture-of-experts settings of ``cfg`` (a ``TrainConfig``), if anything:
     one of them without ``--experts``, experts of a model other than the Transformer, fewer experts than
     a token takes, a ``--moe-every`` that leaves no layer a mixture, with tensor parallelism."""
+    if cfg.model == "hf" and cfg.expert_parallel > 1:
+        return (
+            f"--expert-parallel {cfg.expert_parallel} with --model hf: splitting a Hugging Face model's experts over "
+            "ranks is not supported yet (each replica holds them all); leave --expert-parallel out"
+        )
     if not cfg.experts:
         given = [name for name in (*_MOE_FLAGS, "expert_parallel") if getattr(cfg, name) != defaults[name]]
         if given:
