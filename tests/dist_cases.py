@@ -432,11 +432,11 @@ def lost_at(rank: int, where: str, how: str, timeout: float, mark: str, dp: int 
         time.sleep(60)  # not reached: a stopped rank is killed by the test
 
     def dying(method: Any) -> Any:
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             count["calls"] += 1
             if count["calls"] == 2:
                 lose()
-            return method(*args)
+            return method(*args, **kwargs)
 
         return call
 

@@ -187,11 +187,7 @@ class TrainConfig:
         },
     )
     expert_parallel: int = field(
-        default=1,
-        metadata={
-            "help": "with --experts E and --data-parallel D: split each mixture's experts over N of the D replicas "
-            "(N divides D and E), the tokens sent to them and back by all-to-all; a rank keeps E/N experts"
-        },
+        default=1, metadata={"help": "N: split each mixture's --experts over N of the --data-parallel replicas"}
     )
     tensor_parallel: int = field(
         default=1,
