@@ -2,7 +2,7 @@
 2 ranks under torchrun (gloo, one intra-op thread each), each a replica of a one-stage pipeline
 (issue 49).
 
-Reproduce (from the repository root; about 4 min here)::
+Reproduce (from the repository root; about 1 min here)::
 
     .venv/bin/python benchmarks/expert_parallel.py --out benchmarks/results/moe/expert_parallel
     .venv/bin/python benchmarks/expert_parallel.py --quick      # small sizes, under a minute
