@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from gpipe.recipe import (
     rmsprop,
     temperature_sampling,
 )
+from tests.dist_harness import POOL, Pool
 
 
 def test_temperature_sampling() -> None:
@@ -91,3 +93,71 @@ def test_adafactor_trains() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+# Shapes and the dimension each is sharded on over 2 ranks (5 rows: uneven shards; a 1-row dimension:
+# one empty shard), for the sharded Adafactor.
+SHARDED = [((5, 6), 0), ((6, 5), 1), ((4, 3, 6), 0), ((4, 5, 6), 1), ((7,), 0), ((1, 4), 0)]
+
+
+def _adafactor_steps(make: Any) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """Three steps of ``make(params)`` over the shapes of :data:`SHARDED` (weight decay on), each step's
+    gradients drawn alike everywhere; the parameters and states after them."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape, _ in SHARDED]
+    optimizer, params = make(params)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, (shape, dim) in zip(params, SHARDED):
+            p.grad = optimizer.shard(torch.randn(shape, generator=g) * (step + 1), dim)
+        optimizer.step()
+    return [optimizer.whole(p) for p in params], [
+        {k: optimizer.whole(v) for k, v in optimizer.state[p].items()} for p in params
+    ]
+
+
+def sharded_adafactor() -> dict[str, Any]:
+    """A pool case (2 ranks): :class:`ShardedAdafactor` on DTensor shards of the shapes of
+    :data:`SHARDED`; the whole parameters and states after three steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gpipe.recipe import adafactor
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def make(params: list[nn.Parameter]) -> Any:
+        sharded = [
+            nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(dim)])) for p, (_, dim) in zip(params, SHARDED)
+        ]
+        optimizer = adafactor(sharded, lr=1e-2, weight_decay=0.1)
+        optimizer.shard = lambda t, dim: distribute_tensor(t, mesh, [Shard(dim)])  # type: ignore[attr-defined]
+        optimizer.whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[attr-defined]
+        return optimizer, sharded
+
+    params, states = _adafactor_steps(make)
+    return {"params": params, "states": states}
+
+
+SHARDED_ADAFACTOR = POOL.add(2, "sharded adafactor", "test_recipe:sharded_adafactor")
+
+
+def test_adafactor_steps_a_sharded_parameter_as_the_whole_one(pool: Pool) -> None:
+    """gpipe's Adafactor on DTensor shards (--fsdp, --tensor-parallel, --expert-parallel; torch's fails
+    on them) gives every rank the whole parameter's step of torch's Adafactor, with its state's keys
+    and shapes, for parameters sharded on any dimension, unevenly or with an empty shard."""
+
+    def make(params: list[nn.Parameter]) -> Any:
+        optimizer = torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.1)
+        optimizer.shard = lambda t, dim: t  # type: ignore[attr-defined]
+        optimizer.whole = lambda t: t  # type: ignore[attr-defined]
+        return optimizer, params
+
+    want_params, want_states = _adafactor_steps(make)
+    for rank in pool(SHARDED_ADAFACTOR):
+        for got, want in zip(rank["params"], want_params):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+        for got, want in zip(rank["states"], want_states):
+            assert sorted(got) == sorted(want)
+            for key in want:
+                assert got[key].shape == want[key].shape and torch.allclose(got[key], want[key], rtol=1e-5, atol=1e-9)

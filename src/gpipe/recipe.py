@@ -7,7 +7,8 @@
   pipeline's loss the mini-batch's token mean whatever the padding.
 - :func:`clip_logits`: logit clipping of the softmax pre-activations.
 - :func:`rmsprop`: the image-classification optimizer settings (decay 0.9, ε 0.1, L2 4e-5).
-- :func:`adafactor`: ``torch.optim.Adafactor``, as for the translation models.
+- :func:`adafactor`: ``torch.optim.Adafactor``, as for the translation models (:class:`ShardedAdafactor`:
+  also on sharded parameters).
 - :func:`clip_grad_norm_per_parameter`: every parameter's gradient norm clipped on its own.
 """
 
@@ -18,12 +19,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from gpipe.health import grad_norms  # (the library's: the health metrics' global norm is made of them too)
 
 __all__ = [
+    "ShardedAdafactor",
     "adafactor",
     "clip_grad_norm_per_parameter",
     "clip_logits",
@@ -116,8 +120,101 @@ def rmsprop(params: Iterable[nn.Parameter], lr: float, *, weight_decay: float = 
 
 
 def adafactor(params: Iterable[nn.Parameter], lr: float = 1e-2, **kwargs: Any) -> torch.optim.Adafactor:
-    """torch's Adafactor (factored second moments), for the Transformer recipe."""
-    return torch.optim.Adafactor(params, lr=lr, **kwargs)
+    """torch's Adafactor (factored second moments), for the Transformer recipe; parameters that are
+    ``DTensor`` shards (``--fsdp``, ``--tensor-parallel``, ``--expert-parallel``) step as the whole
+    parameter would (:class:`ShardedAdafactor`)."""
+    return ShardedAdafactor(params, lr=lr, **kwargs)
+
+
+class ShardedAdafactor(torch.optim.Adafactor):
+    """``torch.optim.Adafactor``, whose step fails on ``DTensor`` parameters (an in-place op on a
+    partial norm), also for parameters sharded over a 1-D mesh: their step is the whole parameter's,
+    computed on each rank's shard, with an all-reduce for each statistic that spans shards (the norms
+    of the parameter and of its update; a factored moment's mean over the sharded dimension). Its
+    state has torch's keys and whole shapes, as ``DTensor`` shards (a checkpoint loads in any layout).
+    Plain parameters step through torch's own code (the same numbers as before). No host read."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and isinstance(p, DTensor):
+                    self._sharded_step(p, group)
+                    held.append((p, p.grad))
+                    p.grad = None  # (torch's step skips it)
+        try:
+            super().step()  # type: ignore[no-untyped-call]
+        finally:
+            for p, grad in held:
+                p.grad = grad
+        return loss
+
+    def _sharded_step(self, p: DTensor, group: dict[str, Any]) -> None:
+        mesh, n, d = p.device_mesh, p.dim(), group["d"]
+        shards = [pl.dim % n for pl in p.placements if isinstance(pl, Shard)]
+        dim = shards[0] if shards else None  # the sharded dimension (None: replicated)
+        over = mesh.get_group()
+        reduce = (lambda t: _summed(t, over)) if dim is not None else (lambda t: t)
+        param, grad = p.to_local(), p.grad.to_local()  # type: ignore[union-attr]
+        grad = -grad if group["maximize"] else grad
+        state = self.state[p]
+        if not state:  # (torch's keys and whole shapes; the factored dimension is never the sharded one's)
+            state["step"] = torch.tensor(0.0)
+            if n > 1:
+                state["row_var"] = _zeros(param, p.shape, -1, mesh, None if dim == n - 1 else dim)
+                state["col_var"] = _zeros(param, p.shape, -2, mesh, None if dim == n - 2 else dim)
+            else:
+                state["variance"] = _zeros(param, p.shape, None, mesh, dim)
+        state["step"] += 1
+        step = float(state["step"])  # (a CPU tensor, as torch's)
+        beta2 = step ** group["beta2_decay"]
+        lr = float(group["lr"])
+        eps1, eps2 = group["eps"]
+        eps1 = eps1 if eps1 is not None else torch.finfo(param.dtype).eps
+        alpha = (reduce(param.pow(2).sum()) / p.numel()).sqrt().clamp(min=eps2) * min(lr, 1 / step**0.5)
+        if group["weight_decay"]:
+            param.mul_(1 - lr * group["weight_decay"])
+        if n > 1:
+            row_var, col_var = state["row_var"].to_local(), state["col_var"].to_local()
+            squared = grad * grad
+            rows, cols = squared.sum(-1, keepdim=True), squared.sum(-2, keepdim=True)
+            row_var.lerp_((reduce(rows) if dim == n - 1 else rows) / p.size(-1), beta2)
+            col_var.lerp_((reduce(cols) if dim == n - 2 else cols) / p.size(-2), beta2)
+            mean = row_var.sum(-2, keepdim=True)
+            mean = (reduce(mean) if dim == n - 2 else mean) / p.size(-2)
+            estimate = (row_var @ col_var) / mean.clamp(min=eps1)
+        else:
+            variance = state["variance"].to_local()
+            variance.lerp_(grad * grad, beta2)
+            estimate = variance.clone()
+        update = estimate.clamp(min=eps1 * eps1).rsqrt() * grad
+        denom = ((reduce(update.pow(2).sum()) / p.numel()).sqrt() / d).clamp(min=1.0)
+        param.sub_(update * (alpha / denom))
+
+
+def _zeros(local: Tensor, shape: Sequence[int], factored: int | None, mesh: Any, dim: int | None) -> DTensor:
+    """A moment's zeros: the whole ``shape`` with dimension ``factored`` 1, as shards on ``mesh`` like
+    ``local``'s (of the parameter: dimension ``dim``), or replicated (``dim`` None)."""
+    whole, mine = list(shape), list(local.shape)
+    if factored is not None:
+        whole[factored] = mine[factored] = 1
+    if dim is None:
+        return DTensor.from_local(local.new_zeros(whole), mesh, [Replicate()], run_check=False)
+    empty = torch.empty(whole, device="meta")
+    return DTensor.from_local(local.new_zeros(mine), mesh, [Shard(dim)], run_check=False, shape=empty.shape,
+                              stride=empty.stride())  # fmt: skip
+
+
+def _summed(t: Tensor, group: Any) -> Tensor:
+    """``t`` summed over ``group`` (a copy)."""
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def clip_grad_norm_per_parameter(
