@@ -225,9 +225,14 @@ def spread(steps: int) -> dict[str, Any]:
     pipe.eval()
     with torch.no_grad():
         pipe(inputs)
+    try:  # 3 rows: 2 micro-batches on one replica, 1 on the other
+        pipe.step(tuple(t[:3] for t in inputs), target[:3])
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     grads = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in pipe.named_parameters()}
     experts = [p for n, p in pipe.named_parameters() if ".experts." in n]
-    return {"losses": losses, "grads": grads, "routing": routing_metrics(pipe), "dp": pipe.dp_rank,
+    return {"losses": losses, "grads": grads, "routing": routing_metrics(pipe), "dp": pipe.dp_rank, "refused": refused,
             "held": sum(p.to_local().numel() for p in experts), "whole": sum(p.numel() for p in experts)}  # fmt: skip
 
 
@@ -238,7 +243,8 @@ def test_experts_split_over_two_replicas_train_as_one_process_with_their_micro_b
     """expert_parallel=2 over 2 replicas of a 2-stage pipeline (chunks=2 each) trains as one process's
     pipeline with chunks=4 (the replicas' micro-batches, seeded alike: dropout and the second expert's
     random routing draw the same numbers, the same tokens drop): the same losses, gradients and
-    routing over two steps, to float32 rounding; each rank holds half of its stage's experts."""
+    routing over two steps, to float32 rounding; each rank holds half of its stage's experts. A
+    mini-batch on which the replicas would run different numbers of micro-batches is refused."""
     ranks = pool(SPREAD)
     model = moe_model(capacity_factor=0.5)
     inputs, target = batch()
@@ -260,6 +266,7 @@ def test_experts_split_over_two_replicas_train_as_one_process_with_their_micro_b
         assert torch.stack(rank["losses"]).tolist() == pytest.approx(torch.stack(losses).tolist(), rel=1e-6)
         assert rank["routing"] == pytest.approx(routing, rel=1e-5)
         assert rank["held"] * 2 == rank["whole"] > 0
+        assert "gives the 2 replicas [1, 2] micro-batches" in rank["refused"]
         for name, grad in rank["grads"].items():
             whole = want[name].grad
             if ".experts." in name:  # this replica's half of the experts

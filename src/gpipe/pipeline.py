@@ -221,6 +221,7 @@ class Pipeline(nn.Module):
                 "(target: None); to run the forward pass alone, call pipe(inputs)"
             )
         engine, comm = self.engine, self.engine.comm
+        self._check_exchanges(share.size if share is not None else batch_size(scatter(inputs, 1)[0]))
         if share is None:
             total = batch_size(scatter(inputs, 1)[0])
             batches, targets, sizes = scatter_pair(comm.share(inputs), comm.share(target), self.chunks)
@@ -256,6 +257,19 @@ class Pipeline(nn.Module):
         self.last_trace = StepTrace(schedule, run.trace, peak)
         return comm.loss(torch.stack([b.value for b in losses]).sum() if losses else None)
 
+    def _check_exchanges(self, rows: int) -> None:
+        """With experts split over replicas, refuse a mini-batch of ``rows`` on which the replicas would
+        run different numbers of micro-batches: their all-to-alls pair up one for one."""
+        if self.expert_parallel == 1:
+            return
+        counts = {min(self.chunks, Share(size=rows).rows(self.data_parallel, r)) for r in range(self.data_parallel)}
+        if len(counts) > 1:
+            raise ValueError(
+                f"a mini-batch of {rows} rows gives the {self.data_parallel} replicas {sorted(counts)} micro-batches "
+                f"(chunks={self.chunks}); with expert_parallel={self.expert_parallel} every replica runs as many "
+                "(their experts exchange tokens per micro-batch): give at least chunks rows to each replica"
+            )
+
     def _check_share(self, share: Share, rows: int) -> int | None:
         """``share`` checked against this replica's ``rows``; the whole mini-batch's count (None without
         ``loss_count``)."""
@@ -290,6 +304,7 @@ class Pipeline(nn.Module):
         """The forwards only, without autograd, for evaluation; returns the gathered output (under
         torch.distributed: on the last stage's rank, ``None`` on the others; with data parallelism,
         each replica evaluates and returns its share)."""
+        self._check_exchanges(batch_size(scatter(inputs, 1)[0]))
         batches = scatter(self.engine.comm.share(inputs), self.chunks)
         seed = self.engine.comm.seed()
         with torch.no_grad():
