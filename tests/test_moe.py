@@ -198,7 +198,7 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         (["--experts", "4", "--expert-parallel", "2"], "must divide --data-parallel 1 and --experts 4"),
         (["--experts", "3", "--expert-parallel", "2", "--data-parallel", "2"], "must divide --data-parallel 2 and"),
         (["--experts", "4", "--expert-parallel", "0"], "--expert-parallel must be positive"),
-        (["--model", "hf", "--expert-parallel", "2"], "a Hugging Face model's experts over ranks is not supported"),
+        (["--model", "hf", "--expert-parallel", "2"], "it must divide --data-parallel 1"),
     ]
     for argv, message in bad:
         assert main([*flags, *argv, "--out", str(tmp_path / "bad")]) == 2, argv
@@ -302,3 +302,53 @@ def test_gpipe_train_splits_the_experts_over_replicas_and_the_run_resumes_in_one
                      "4", "--no-progress"]) == 0  # fmt: skip
         got = [{k: r[k] for k in keys if k in r} for r in rows(spread)]
         assert got == [{k: pytest.approx(v, rel=1e-6) for k, v in r.items()} for r in want], name
+
+
+def _mixtral_layers() -> tuple[torch.nn.Module, torch.nn.Sequential]:
+    """A tiny Mixtral (tests.test_tracer_models': 4 experts, top-2, router loss) and its layers."""
+    from gpipe.sequential import to_sequential
+    from tests.test_tracer_models import TOKENS, mixtral
+
+    model = mixtral()
+    return model, to_sequential(copy.deepcopy(model), **TOKENS)
+
+
+def hf_spread() -> dict[str, Any]:
+    """A pool case (2 ranks): the tiny Mixtral as 2 replicas, its experts split over them
+    (gpipe.models.hf_moe); the step's loss and this rank's gradients."""
+    from torch.distributed.tensor import DTensor
+
+    from gpipe.models.hf_moe import prepare_split
+    from tests.test_tracer_models import TOKENS
+
+    _, layers = _mixtral_layers()
+    assert prepare_split(layers) == 2
+    pipe = Pipeline(layers, [len(layers)], chunks=2, loss_fn=lambda out, _: out.loss, data_parallel=2,
+                    expert_parallel=2)  # fmt: skip
+    loss = pipe.step(TOKENS, TOKENS["input_ids"])
+    grads = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in pipe.named_parameters()}
+    return {"loss": loss, "grads": grads, "dp": pipe.dp_rank}
+
+
+HF_SPREAD = POOL.add(2, "hf moe expert-parallel", "test_moe:hf_spread")
+
+
+def test_a_hugging_face_models_experts_split_over_two_replicas_train_as_one_process(pool: Pool) -> None:
+    """transformers' Mixtral, its stacked experts split over 2 replicas (each sends its tokens' rows
+    to the experts' rank and back; nothing dropped, as transformers' own): the loss and gradients of
+    one process with the replicas' micro-batches (the router's load-balancing loss included)."""
+    pytest.importorskip("transformers")
+    from tests.test_tracer_models import TOKENS
+
+    _, layers = _mixtral_layers()
+    pipe = Pipeline(layers, [len(layers)], chunks=4, loss_fn=lambda out, _: out.loss, devices=["cpu"])
+    loss = pipe.step(TOKENS, TOKENS["input_ids"])
+    want = dict(pipe.named_parameters())
+    for rank in pool(HF_SPREAD):
+        assert float(rank["loss"]) == pytest.approx(float(loss), rel=1e-5)
+        for name, grad in rank["grads"].items():
+            whole = want[name].grad
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # this replica's half
+                half = whole.size(0) // 2
+                whole = whole[rank["dp"] * half : (rank["dp"] + 1) * half]
+            assert torch.allclose(grad, whole, rtol=1e-4, atol=1e-6), (name, (grad - whole).abs().max())

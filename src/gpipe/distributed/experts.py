@@ -26,7 +26,7 @@ exchanges through the group. ``gpipe.models.moe.MoEFeedForward`` does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,11 +35,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from gpipe.distributed.failure import collective
 
-__all__ = ["ExpertGroup", "check_expert_parallel", "exchange", "expert_group", "is_split_expert", "split_experts"]
+__all__ = [
+    "ExpertGroup",
+    "check_expert_parallel",
+    "exchange",
+    "expert_group",
+    "is_split_expert",
+    "split_experts",
+    "split_stacked",
+]
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,25 @@ def _all_ep_groups(mesh: DeviceMesh) -> list[list[int]]:
     names = list(mesh.mesh_dim_names or ())
     grid = mesh.mesh.movedim(names.index("ep"), -1)
     return [row.tolist() for row in grid.reshape(-1, grid.size(-1))]
+
+
+def split_stacked(module: nn.Module, names: Sequence[str], experts: ExpertGroup) -> None:
+    """Keep this rank's slice (``experts.rank`` of ``experts.size`` equal slices, along dim 0) of
+    ``module``'s parameters ``names``, each an expert stack, as ``DTensor`` shards of the whole (dim 0
+    over ``experts.mesh``): a checkpoint reads and writes them at any number of expert ranks."""
+    for name in names:
+        param = module.get_parameter(name)
+        count = param.size(0)
+        if count % experts.size:
+            raise ValueError(
+                f"{count} experts cannot be split evenly over {experts.size} expert-parallel ranks: give a "
+                "number of experts that the expert-parallel degree divides"
+            )
+        share = count // experts.size
+        local = param.detach()[experts.rank * share : (experts.rank + 1) * share].clone()
+        whole = DTensor.from_local(local, experts.mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                   stride=param.stride())  # fmt: skip
+        setattr(module, name, nn.Parameter(whole, requires_grad=param.requires_grad))
 
 
 def split_experts(partitions: Mapping[int, nn.Module], experts: ExpertGroup) -> int:

@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from gpipe.auxiliary import with_auxiliary_loss
 from gpipe.cache import decoding as _decoding
 from gpipe.distributed.devices import comm_device
-from gpipe.distributed.experts import ExpertGroup, exchange
+from gpipe.distributed.experts import ExpertGroup, exchange, split_stacked
 from gpipe.distributed.failure import collective
 
 __all__ = ["Experts", "MoEFeedForward", "Routing", "active_parameters", "check_moe", "route", "routing_metrics"]
@@ -90,21 +90,8 @@ class Experts(nn.Module):
         return out
 
     def split(self, experts: ExpertGroup) -> None:
-        """Keep this rank's slice of the experts (``experts.rank`` of ``experts.size`` equal slices), as
-        ``DTensor`` shards of the whole (dim 0 over ``experts.mesh``): a checkpoint reads and writes
-        them at any number of expert ranks."""
-        count = self.count
-        if count % experts.size:
-            raise ValueError(
-                f"{count} experts cannot be split evenly over {experts.size} expert-parallel ranks: give a "
-                "number of experts that the expert-parallel degree divides"
-            )
-        share = count // experts.size
-        for name, param in list(self.named_parameters(recurse=False)):
-            local = param.detach()[experts.rank * share : (experts.rank + 1) * share].clone()
-            whole = DTensor.from_local(local, experts.mesh, [Shard(0)], run_check=False, shape=param.shape,
-                                       stride=param.stride())  # fmt: skip
-            setattr(self, name, nn.Parameter(whole, requires_grad=param.requires_grad))
+        """Keep this rank's slice of the experts (:func:`gpipe.distributed.experts.split_stacked`)."""
+        split_stacked(self, [name for name, _ in self.named_parameters(recurse=False)], experts)
 
 
 class Routing:

@@ -214,13 +214,21 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
     """What is wrong with the mixture-of-experts settings of ``cfg`` (a ``TrainConfig``), if anything:
     one of them without ``--experts``, experts of a model other than the Transformer, fewer experts than
     a token takes, a ``--moe-every`` that leaves no layer a mixture, with tensor parallelism."""
-    if cfg.model == "hf" and cfg.expert_parallel > 1:
-        return (
-            f"--expert-parallel {cfg.expert_parallel} with --model hf: splitting a Hugging Face model's experts over "
-            "ranks is not supported yet (each replica holds them all); leave --expert-parallel out"
-        )
+    n = cfg.expert_parallel
+    if cfg.model == "hf" and n > 1:  # (the model's own experts: gpipe.models.hf_moe checks them)
+        if cfg.data_parallel % n:
+            return (
+                f"--expert-parallel {n} splits the model's experts over {n} of the replicas: it must divide "
+                f"--data-parallel {cfg.data_parallel}"
+            )
+        if cfg.fsdp:
+            return (
+                f"--expert-parallel {n} with --model hf and --fsdp is not supported yet (a Hugging Face model's "
+                "experts are split, not sharded); leave one of them out"
+            )
     if not cfg.experts:
-        given = [name for name in (*_MOE_FLAGS, "expert_parallel") if getattr(cfg, name) != defaults[name]]
+        given = [name for name in (*_MOE_FLAGS, "expert_parallel") if cfg.model != "hf" or name != "expert_parallel"]
+        given = [name for name in given if getattr(cfg, name) != defaults[name]]
         if given:
             return (
                 f"--{flag(given[0])} is for a mixture of experts: give --experts E too (the experts of every "
@@ -248,7 +256,6 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
             f"--experts with --tensor-parallel {cfg.tensor_parallel}: tensor parallelism does not split a mixture of "
             "experts (each rank would route with its own random numbers); leave one of them out"
         )
-    n = cfg.expert_parallel
     if n > 1 and (cfg.data_parallel % n or cfg.experts % n):
         return (
             f"--expert-parallel {n} splits the experts over {n} of the replicas: it must divide --data-parallel "

@@ -35,7 +35,7 @@ from gpipe.data.records import is_records
 from gpipe.data.text import CausalPairs, TextLines, Tokenizer, read_lines, text_data
 from gpipe.data.vocab import Vocab
 from gpipe.distributed import choose_devices
-from gpipe.models import amoebanet, amoebanet_d, hf, lora, pretrained, transformer
+from gpipe.models import amoebanet, amoebanet_d, hf, hf_moe, lora, pretrained, transformer
 from gpipe.pipeline import Pipeline
 from gpipe.recipe import adafactor, count_tokens, label_smoothing_loss, rmsprop
 from gpipe.train.config import ConfigError, TrainConfig
@@ -346,12 +346,32 @@ def _hf_model(cfg: TrainConfig, data: TokenDataset) -> torch.nn.Sequential:
             raise ConfigError(f"--pack: {exc}") from exc
     else:
         layers = hf.pipeline_layers(model, sample)
+    if cfg.expert_parallel > 1:  # the model's own experts, split over the replicas as the pipeline is built
+        _split_hf_experts(cfg, layers)
     if source is not None:  # each stage reads its own layers' tensors as the pipeline materializes them
         pretrained.attach(layers, source)
     if adapters is not None:  # then peft's initialization of the adapters (B = 0: the model starts as it was)
         lora.with_adapter_init(layers)
         layers.lora = lora.lora_json(adapters)  # type: ignore[assignment]  # (what the checkpoints keep)
     return layers
+
+
+def _split_hf_experts(cfg: TrainConfig, layers: torch.nn.Sequential) -> None:
+    """``--expert-parallel`` for a Hugging Face model: its experts modules made splittable
+    (:mod:`gpipe.models.hf_moe`), refused in one line where there are none or they do not divide."""
+    n, where = cfg.expert_parallel, _where(cfg)
+    try:
+        found = hf_moe.prepare_split(layers)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    if not found:
+        raise ConfigError(
+            f"--expert-parallel {n}: {where} has no experts to split (it splits transformers' stacked experts: "
+            "Mixtral, Qwen3-MoE); leave --expert-parallel out"
+        )
+    counts = sorted({int(getattr(m, "num_experts", 0)) for m in layers.modules() if hf_moe.splittable(m)})
+    if any(c % n for c in counts):
+        raise ConfigError(f"--expert-parallel {n} must divide the model's experts ({', '.join(map(str, counts))})")
 
 
 def _where(cfg: TrainConfig) -> str:
