@@ -191,7 +191,6 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         (["--experts", "2", "--expert-top-k", "3"], "at least as many experts as each token takes"),
         (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor must be a positive finite number"),
         (["--experts", "4", "--moe-every", "3"], "--moe-every 3 makes no layer"),
-        (["--experts", "4", "--tensor-parallel", "2"], "tensor parallelism does not split a mixture"),
         (["--experts", "4", "--model", "amoebanet"], "--experts"),
         (["--capacity-factor", "2"], "--capacity-factor is for a mixture of experts"),
         (["--expert-parallel", "2"], "--expert-parallel is for a mixture of experts"),
@@ -349,6 +348,57 @@ def test_a_hugging_face_models_experts_split_over_two_replicas_train_as_one_proc
         for name, grad in rank["grads"].items():
             whole = want[name].grad
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # this replica's half
+                half = whole.size(0) // 2
+                whole = whole[rank["dp"] * half : (rank["dp"] + 1) * half]
+            assert torch.allclose(grad, whole, rtol=1e-4, atol=1e-6), (name, (grad - whole).abs().max())
+
+
+def _split_heads_model() -> torch.nn.Sequential:
+    """The MoE model with attention tensor parallelism can split (head_dim), without dropout (a split
+    pair's dropout draws per rank)."""
+    torch.manual_seed(0)
+    return transformer(3, 32, 2, dim=16, vocab=20, max_len=16, dropout=0.0, experts=4, moe_every=2, moe_loss_weight=0.1,
+                       capacity_factor=0.5, target_padding="end", head_dim=8)  # fmt: skip
+
+
+def tensor_spread() -> dict[str, Any]:
+    """A pool case (4 ranks): 2 replicas x tensor_parallel 2, the experts split over the replicas; the
+    step's loss and this rank's whole gradients."""
+    from torch.distributed.tensor import DTensor
+
+    model = _split_heads_model()
+    inputs, target = batch()
+    torch.manual_seed(3)
+    pipe = Pipeline(model, [len(model)], chunks=2, loss_fn=token_loss, data_parallel=2, tensor_parallel=2,
+                    expert_parallel=2)  # fmt: skip
+    loss = pipe.step(inputs, target)
+    grads = {}
+    for n, p in pipe.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):  # the experts' (this replica's half) or a split layer's (made whole)
+            g = g.to_local() if g.device_mesh.mesh_dim_names == ("ep",) else g.full_tensor()
+        grads[n] = g
+    return {"loss": loss, "grads": grads, "dp": pipe.dp_rank}
+
+
+TENSOR_SPREAD = POOL.add(4, "moe expert-parallel with tensor-parallel", "test_moe:tensor_spread")
+
+
+def test_experts_split_over_replicas_beside_tensor_parallel_layers_train_as_one_process(pool: Pool) -> None:
+    """--tensor-parallel 2 splits the attention (a mixture of experts runs whole on each tp rank,
+    drawing alike) while --expert-parallel 2 splits the experts over the replicas: the loss and
+    gradients of one process with the replicas' micro-batches."""
+    model = _split_heads_model()
+    inputs, target = batch()
+    torch.manual_seed(3)
+    pipe = Pipeline(model, [len(model)], chunks=4, loss_fn=token_loss, devices=["cpu"])
+    loss = pipe.step(inputs, target)
+    want = dict(pipe.named_parameters())
+    for rank in pool(TENSOR_SPREAD):
+        assert float(rank["loss"]) == pytest.approx(float(loss), rel=1e-5)
+        for name, grad in rank["grads"].items():
+            whole = want[name].grad
+            if ".experts." in name:
                 half = whole.size(0) // 2
                 whole = whole[rank["dp"] * half : (rank["dp"] + 1) * half]
             assert torch.allclose(grad, whole, rtol=1e-4, atol=1e-6), (name, (grad - whole).abs().max())

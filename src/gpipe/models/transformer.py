@@ -85,13 +85,12 @@ def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[
     """Megatron's split of a layer over ``tp`` ranks (``tensor_parallel_plan``, read by
     ``gpipe.distributed.tensor_parallel``): the feed-forward's inner projection by output features,
     its outer by input features; each attention's query, key and value projections by heads, its
-    output projection by input features. The dropout between a split pair then draws per rank."""
-    if isinstance(layer.get_submodule("ff"), MoEFeedForward):
-        raise ValueError(
-            f"{type(layer).__name__}'s feed-forward is a mixture of experts, which tensor parallelism does not split "
-            "(each rank would route with its own random numbers): build the Transformer without experts"
-        )
-    plan: dict[str, ParallelStyle] = {"ff.inner": ColwiseParallel(), "ff.outer": RowwiseParallel()}
+    output projection by input features. The dropout between a split pair then draws per rank. A
+    mixture of experts is not split: every rank of the group runs it whole on the same rows, drawing
+    the same numbers (its experts may be split over replicas instead: ``expert_parallel``)."""
+    plan: dict[str, ParallelStyle] = {}
+    if not isinstance(layer.get_submodule("ff"), MoEFeedForward):
+        plan.update({"ff.inner": ColwiseParallel(), "ff.outer": RowwiseParallel()})
     for name in attentions:
         attn = layer.get_submodule(name)
         if not isinstance(attn, Attention):

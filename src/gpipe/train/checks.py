@@ -251,11 +251,6 @@ def moe_error(cfg: Any, defaults: dict[str, Any]) -> str | None:
             f"--moe-every {cfg.moe_every} makes no layer of the {layers} encoder and decoder layers a mixture of "
             f"experts; give 1 (every layer) to {layers}"
         )
-    if cfg.tensor_parallel > 1:
-        return (
-            f"--experts with --tensor-parallel {cfg.tensor_parallel}: tensor parallelism does not split a mixture of "
-            "experts (each rank would route with its own random numbers); leave one of them out"
-        )
     if n > 1 and (cfg.data_parallel % n or cfg.experts % n):
         return (
             f"--expert-parallel {n} splits the experts over {n} of the replicas: it must divide --data-parallel "
