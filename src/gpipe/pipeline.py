@@ -78,7 +78,8 @@ class Pipeline(nn.Module):
             (:func:`gpipe.schedule.ir.sharded`). Needs ``data_parallel`` >= 2; the parameters
             are then ``DTensor`` shards (build the optimizer from ``pipe.parameters()``).
         expert_parallel: under torch.distributed, split the experts of each mixture-of-experts layer
-            (a module with ``gpipe_split_experts``: ``gpipe.models.moe.MoEFeedForward``) over this
+            (a module with ``gpipe_split_experts``: ``gpipe.models.moe.MoEFeedForward``, transformers'
+            experts after ``gpipe.models.hf_moe.prepare_split``) over this
             many replicas (it divides ``data_parallel``), with an all-to-all of the tokens per layer
             and micro-batch (:mod:`gpipe.distributed.experts`). With ``fsdp``, FSDP shards the
             other parameters.
