@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -24,8 +25,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+_GIVEN_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a launch's rendezvous, free now, never handed out before in this process, and below
+    the range the system takes ports from for outgoing connections: the many connections of the
+    launches running beside each other (gloo's pairs) take ports from that range, and one of them
+    could take a port chosen there before the launch binds it (EADDRINUSE)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    with _GIVEN_LOCK:
+        for _ in range(1000):
+            port = random.randrange(max(1024, low - 12000), low)
+            if port in _GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
+    with socket.socket() as s:  # (no free port below the range: one from it)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
