@@ -35,9 +35,12 @@ class Lost:
     seconds: dict[int, float]  # per survivor: from the victim's loss to its exit
 
 
-def lose(tmp_path: Path, world: int, victim: int, where: str, how: str, dp: int = 1, limit: float = 60) -> Lost:
+def lose(
+    tmp_path: Path, world: int, victim: int, where: str, how: str, dp: int = 1, limit: float = 60, *, retry: bool = True
+) -> Lost:
     """Run ``lost_at`` on ``world`` ranks; wait for every rank but the victim to exit, then kill
-    whatever is left (a stopped victim too: SIGKILL ends a stopped process)."""
+    whatever is left (a stopped victim too: SIGKILL ends a stopped process). Ranks that never met
+    (their rendezvous failed, under the load of the session's start) run once more."""
     mark = tmp_path / "lost_at"
     procs = start("lost_at", world, tmp_path, rank=victim, where=where, how=how, timeout=TIMEOUT, mark=str(mark), dp=dp)
     outputs = [""] * world
@@ -65,6 +68,9 @@ def lose(tmp_path: Path, world: int, victim: int, where: str, how: str, dp: int 
             p.wait()
         for t in readers:
             t.join(10)
+    if not mark.exists() and retry and any("DistNetworkError" in o for o in outputs):
+        # (the ranks never met: the rendezvous failed, under the load of the session's start; once more)
+        return lose(tmp_path / "again", world, victim, where, how, dp, limit, retry=False)
     assert mark.exists(), f"the victim never got to {where!r}:\n" + "\n".join(o[-3000:] for o in outputs)
     lost_at = float(mark.read_text())
     return Lost([p.returncode for p in procs], outputs, {r: t - lost_at for r, t in ended.items()})
