@@ -80,6 +80,10 @@ def test_per_parameter_clipping_and_rmsprop() -> None:
 
 def test_adafactor_trains() -> None:
     from gpipe.recipe import adafactor
+    from gpipe.saving.keys import _optimizer_kind
+
+    params = [nn.Parameter(torch.zeros(2))]  # (a checkpoint of torch's Adafactor loads in gpipe's, and back)
+    assert _optimizer_kind(adafactor(params)) == _optimizer_kind(torch.optim.Adafactor(params))
 
     torch.manual_seed(0)
     model = nn.Linear(4, 4)

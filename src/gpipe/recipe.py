@@ -134,6 +134,8 @@ class ShardedAdafactor(torch.optim.Adafactor):
     state has torch's keys and whole shapes, as ``DTensor`` shards (a checkpoint loads in any layout).
     Plain parameters step through torch's own code (the same numbers as before). No host read."""
 
+    gpipe_state_like = torch.optim.Adafactor  # (checkpoints: its state is torch's, and loads in either)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None

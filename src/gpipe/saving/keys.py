@@ -68,7 +68,12 @@ def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer | None) -> str | None:
-    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    """What kind of state ``optimizer`` keeps: its class, or the class whose state it keeps alike
+    (``gpipe_state_like``: a subclass whose checkpoints load in its base and back)."""
+    if optimizer is None:
+        return None
+    kind = getattr(optimizer, "gpipe_state_like", type(optimizer))
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _optimizer_params(
