@@ -205,6 +205,21 @@ def test_gpipe_train_with_experts_reports_the_routing_and_refuses_bad_settings(
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def _train(pipe: Pipeline, steps: int) -> list[Tensor]:
+    """``steps`` steps of SGD (lr 0.5) on the MoE batch, then an evaluation forward; the losses."""
+    inputs, target = batch()
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(inputs, target))
+        optimizer.step()
+    pipe.eval()
+    with torch.no_grad():
+        pipe(inputs)
+    return losses
+
+
 def spread(steps: int) -> dict[str, Any]:
     """A pool case (4 ranks): the MoE model as 2 replicas of 2 stages, its experts split over the 2
     replicas (expert_parallel=2), ``steps`` steps of SGD; each rank's losses, gradients of the last
@@ -215,15 +230,7 @@ def spread(steps: int) -> dict[str, Any]:
     inputs, target = batch()
     torch.manual_seed(3)
     pipe = Pipeline(model, even(len(model), 2), chunks=2, loss_fn=token_loss, data_parallel=2, expert_parallel=2)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        losses.append(pipe.step(inputs, target))
-        optimizer.step()
-    pipe.eval()
-    with torch.no_grad():
-        pipe(inputs)
+    losses = _train(pipe, steps)
     try:  # 3 rows: 2 micro-batches on one replica, 1 on the other
         pipe.step(tuple(t[:3] for t in inputs), target[:3])
         refused = ""
@@ -246,18 +253,9 @@ def test_experts_split_over_two_replicas_train_as_one_process_with_their_micro_b
     mini-batch on which the replicas would run different numbers of micro-batches is refused."""
     ranks = pool(SPREAD)
     model = moe_model(capacity_factor=0.5)
-    inputs, target = batch()
     torch.manual_seed(3)
     pipe = Pipeline(model, even(len(model), 2), chunks=4, loss_fn=token_loss, devices=["cpu"] * 2)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    losses = []
-    for _ in range(2):
-        optimizer.zero_grad()
-        losses.append(pipe.step(inputs, target))
-        optimizer.step()
-    pipe.eval()
-    with torch.no_grad():
-        pipe(inputs)
+    losses = _train(pipe, 2)
     want = dict(pipe.named_parameters())
     routing = routing_metrics(pipe)
     assert routing is not None and routing["moe_dropped"] > 0  # (tokens are dropped: their choice matters)

@@ -309,10 +309,7 @@ def _spread_experts(
     for group in (experts.group, edp):
         if group is not None:
             _set_pg_timeout(timedelta(seconds=timeout), group)
-    split = torch.tensor([split_experts(local, experts)], dtype=torch.int64, device=comm_device(device))
-    with collective("count of the layers whose experts were split"):
-        dist.all_reduce(split)
-    if int(split.item()) == 0:
+    if not _anywhere(split_experts(local, experts), device, "count of the layers whose experts were split"):
         raise ValueError(
             f"expert_parallel={ep}, but no layer of the model has experts to split (a module with "
             "gpipe_split_experts, as gpipe.models.moe.MoEFeedForward): build the model with experts, or drop "
@@ -331,14 +328,20 @@ def _materialize_shards(local: dict[int, nn.Sequential], device: torch.device, i
 def _split_layers(local: dict[int, nn.Sequential], mesh: Any, plan: TpPlan, device: torch.device) -> None:
     """Split this rank's layers over the tp group; refuse a plan that splits no layer anywhere (the count
     all-reduced on the default group's device for this rank: CUDA under an NCCL-only group)."""
-    split = torch.tensor([parallelize(local, mesh, plan)], dtype=torch.int64, device=comm_device(device))
-    with collective("count of the layers tensor parallelism split"):
-        dist.all_reduce(split)
-    if int(split.item()) == 0:
+    if not _anywhere(parallelize(local, mesh, plan), device, "count of the layers tensor parallelism split"):
         raise ValueError(
             f"tensor_parallel={mesh.size()}, but no layer of the model has a tensor-parallel plan (tp_plan='auto' "
             "knows gpipe's Transformer layers and Hugging Face models with a base_model_tp_plan): give tp_plan="
         )
+
+
+def _anywhere(count: int, device: torch.device, what: str) -> bool:
+    """Whether ``count`` summed over every rank (all-reduced on the default group's device for this
+    rank: CUDA under an NCCL-only group) is above 0."""
+    total = torch.tensor([count], dtype=torch.int64, device=comm_device(device))
+    with collective(what):
+        dist.all_reduce(total)
+    return int(total.item()) > 0
 
 
 def _find_copies(tie: Tie, partitions: Sequence[nn.Sequential], balance: Sequence[int], placement: Placement) -> None:

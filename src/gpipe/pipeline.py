@@ -222,9 +222,9 @@ class Pipeline(nn.Module):
                 "(target: None); to run the forward pass alone, call pipe(inputs)"
             )
         engine, comm = self.engine, self.engine.comm
-        self._check_exchanges(share.size if share is not None else batch_size(scatter(inputs, 1)[0]))
+        total = share.size if share is not None else batch_size(scatter(inputs, 1)[0])
+        self._check_exchanges(total)
         if share is None:
-            total = batch_size(scatter(inputs, 1)[0])
             batches, targets, sizes = scatter_pair(comm.share(inputs), comm.share(target), self.chunks)
             scale = loss_scale(self.loss_count, target, sizes, total)
             shares = [n / total for n in sizes]
