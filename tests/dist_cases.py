@@ -841,3 +841,39 @@ def nonfinite_across_ranks() -> dict[str, Any]:
     x[9, 0] = 3.0
     loss = float(pipe.step(x, y))
     return {"finite": all_finite(pipe, loss), "found": str(locate(pipe, x, y))}
+
+
+def aids_steps(steps: int = 3) -> dict[str, Any]:
+    """A Transformer with shared layers, stepped by Adam with learned rates (per layer, then global), on
+    two stages whose cut splits a group of shared layers: each run's losses, the learned factors and the
+    weights of this process's layers (in one process: both stages)."""
+    from gpipe.hypergradient import LearnedRates
+    from gpipe.models import transformer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out: dict[str, Any] = {}
+    for scope in ("layer", "global"):
+        torch.manual_seed(0)
+        model = transformer(4, 32, 2, dim=16, vocab=20, max_len=16, dropout=0.1, share_layers=2)
+        kwargs: dict[str, Any] = {} if world > 1 else {"devices": ["cpu", "cpu"]}
+        pipe = Pipeline(model, [2, 9], chunks=2, loss_fn=lm_loss_of(20), cpu_threads=1, **kwargs)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+        rates = LearnedRates(pipe, optimizer, beta=0.1, scope=scope)
+        losses = []
+        for i in range(steps):
+            g = torch.Generator().manual_seed(i)
+            src, tgt = torch.randint(1, 20, (8, 7), generator=g), torch.randint(1, 20, (8, 5), generator=g)
+            torch.manual_seed(100 + i)
+            optimizer.zero_grad()
+            losses.append(float(pipe.step((src, tgt), torch.randint(1, 20, (8, 5), generator=g))))
+            rates.step()
+        out[scope] = {"losses": losses, "factors": rates.factors, "owners": rates.owners,
+                      "weights": {n: p.detach().clone() for n, p in pipe.named_parameters()}}  # fmt: skip
+    return out
+
+
+def lm_loss_of(vocab: int) -> Any:
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    return loss

@@ -25,7 +25,7 @@ LIBRARY = frozenset({
 })  # fmt: skip
 APPLICATIONS = frozenset({
     "models", "recipe", "data", "decode", "evaluation", "evaluator", "translate", "generate", "export", "train",
-    "bench", "demo", "commands", "sweep", "runs", "runfile", "cli", "__main__",
+    "bench", "demo", "commands", "sweep", "runs", "runfile", "cli", "__main__", "hypergradient",
 })  # fmt: skip
 
 # What the applications need and the library must not pull in.

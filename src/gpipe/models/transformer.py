@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from gpipe.cache import LayerCache, layer_cache
 from gpipe.health import mark_blocks
+from gpipe.models import sharing
 from gpipe.models.attention import Attention, attend, attend_cached, attention
 from gpipe.models.moe import MoEFeedForward
 from gpipe.models.transparent import transparent_attention
@@ -314,6 +315,7 @@ def transformer(
     capacity_factor: float = 1.25,
     moe_every: int = 2,
     moe_loss_weight: float = 0.01,
+    share_layers: int = 1,
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
     ``heads`` attention heads (each ``head_dim`` wide; default dim/heads). Input: a tuple (source
@@ -324,7 +326,9 @@ def transformer(
     the real tokens (gpipe's batches: no host read per attention call); ``'any'``, told by the values.
     ``experts``: the feed-forward block of every ``moe_every``-th encoder and decoder layer is a
     mixture of that many experts (:class:`gpipe.models.moe.MoEFeedForward`: ``expert_top_k`` per
-    token, ``capacity_factor``, the load-balancing loss weighted ``moe_loss_weight``); 0: none."""
+    token, ``capacity_factor``, the load-balancing loss weighted ``moe_loss_weight``); 0: none.
+    ``share_layers``: every N consecutive encoder layers, and decoder layers, hold one set of weights
+    (:mod:`gpipe.models.sharing`; N divides ``layers``, dense layers only); 1: none."""
     if target_padding not in ("any", "end"):
         raise ValueError(f"target_padding is 'any' or 'end' (target_padding: {target_padding!r})")
     scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
@@ -337,6 +341,11 @@ def transformer(
     )
     for layer in (m for m in model if isinstance(m, DecoderLayer) and target_padding == "end"):
         layer.pad_at_end = True
+    if share_layers > 1:
+        if experts:
+            raise ValueError(f"share_layers={share_layers} with experts={experts} is not supported: leave one out")
+        for kind in (EncoderLayer, DecoderLayer):
+            sharing.share_layers([m for m in model if isinstance(m, kind)], share_layers)
     if experts:
         moe = {"experts": experts, "top_k": expert_top_k, "capacity_factor": capacity_factor,
                "loss_weight": moe_loss_weight, "dropout": dropout}  # fmt: skip

@@ -75,6 +75,7 @@ _GROUPS = {
     "model": ("model", "hf_config", "init", "lora", "lora_targets", "layers", "hidden", "heads", "dim", "head_dim",
               "filters", "reference_cells", "classes", "image_size", "dropout", "logit_clip", "transparent"),
     "mixture of experts": ("experts", "expert_top_k", "capacity_factor", "moe_every", "moe_loss_weight"),
+    "training aids": ("norm", "init_scheme", "share_layers", "lr_hypergradient", "lr_hypergradient_scope"),
     "pipeline": ("partitions", "devices", "data_parallel", "fsdp", "expert_parallel", "tensor_parallel", "chunks",
                  "schedule", "checkpoint", "threads"),
     "training": ("batch", "batch_tokens", "steps", "optimizer", "lr", "warmup", "label_smoothing", "clip_norm",
@@ -89,7 +90,9 @@ _GROUPS = {
 _METAVARS = {"int": "N", "float": "X", "str": "NAME", "hf_config": "PATH", "init": "PATH", "lora": "R",
              "lora_targets": "NAMES", "data": "PATH", "vocab": "PATH", "tokenizer": "PATH", "out": "PATH",
              "checkpoint": "MODE", "devices": "DEVICES", "tensorboard": "MODE", "on_nonfinite": "{stop,skip}",
-             "timeout": "SECONDS", "chat_template": "PATH", "precision": "{" + ",".join(PRECISIONS) + "}"}  # fmt: skip
+             "timeout": "SECONDS", "chat_template": "PATH", "precision": "{" + ",".join(PRECISIONS) + "}",
+             "norm": "{auto,none}", "init_scheme": "{default,fixup}", "lr_hypergradient": "BETA",
+             "lr_hypergradient_scope": "{layer,global}"}  # fmt: skip
 
 
 def _flag_type(f: dataclasses.Field[Any]) -> Any:

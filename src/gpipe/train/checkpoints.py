@@ -58,6 +58,7 @@ class Checkpoints:
         self.loaded: Path | None = None  # the checkpoint resumed from
         self.spare: Path | None = None  # the checkpoint resumed from past damaged newer ones: never pruned
         self.guard: Callable[[], str] | None = None  # the bad-step guard's state, for guard.json (set by the loop)
+        self.rates: Any = None  # --lr-hypergradient: the LearnedRates, for learned_rates.json (set by the loop)
         if cfg.model == "hf" and isinstance(data, TokenDataset):
             self.config = hf.config_json(hf_config(cfg, data), keep_dtype=bool(cfg.init))
 
@@ -82,6 +83,9 @@ class Checkpoints:
         if self.guard is not None:
             guard = self.guard()
             extra["guard.json"] = lambda p: p.write_text(guard)
+        if self.rates is not None:
+            rates = json.dumps(self.rates.state_dict())
+            extra["learned_rates.json"] = lambda p: p.write_text(rates + "\n")
         if isinstance(data, (TextLines, PreparedText, InstructionData, PreparedRecords)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)

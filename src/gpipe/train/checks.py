@@ -102,6 +102,7 @@ RANGES = {
     "health_every": (_nonnegative, "a number of steps >= 0 (0: off)"),
     "capacity_factor": (_positive, "a positive finite number"),
     "moe_loss_weight": (_nonnegative, "a finite number >= 0 (0: no load-balancing loss)"),
+    "lr_hypergradient": (_probability, "in [0, 1): the learned rate's own rate (0: off)"),
 }
 """The number settings with a range: the test (False for NaN) and what it asks, as the error says it."""
 

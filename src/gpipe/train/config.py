@@ -32,6 +32,7 @@ from gpipe.train.checks import (
 )
 from gpipe.train.initial import hf_config_path, model_flags_error
 from gpipe.train.layout import layout_error
+from gpipe.train.model_settings import MODELS, ModelSettings, aids_error
 from gpipe.train.precision import PRECISIONS
 
 __all__ = [
@@ -58,118 +59,16 @@ def has_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-MODELS = ("transformer", "amoebanet", "hf")
 DEFAULT_LAYERS = {"transformer": 2, "amoebanet": 6}
-OPTIMIZERS = ("adam", "adafactor", "rmsprop")
+OPTIMIZERS = ("adam", "adafactor", "rmsprop", "sgd")
 NONFINITE = ("stop", "skip")  # --on-nonfinite
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Everything ``gpipe train`` needs; each field is also a command-line flag."""
+class TrainConfig(ModelSettings):
+    """Everything ``gpipe train`` needs (the model: :class:`ModelSettings`'s fields, first); each field is
+    also a command-line flag."""
 
-    model: str = field(
-        default="transformer",
-        metadata={"help": f"the model: {', '.join(MODELS)} (hf: a Hugging Face causal LM, built from --hf-config)"},
-    )
-    hf_config: str = field(
-        default="",
-        metadata={
-            "help": "hf: a transformers config.json (or its folder) of a causal LM, read locally, weights random; "
-            f"'': a GPT-2 of {hf.DEFAULT['n_layer']} layers, n_embd {hf.DEFAULT['n_embd']}, "
-            f"{hf.DEFAULT['n_head']} heads, the data's vocabulary and length"
-        },
-    )
-    init: str = field(
-        default="",
-        metadata={
-            "help": "the weights to start from: a folder save_pretrained wrote (--model hf: its config, weights and "
-            "tokenizer, each stage reading its own tensors), or a run or checkpoint of gpipe train (a warm start of "
-            "its model: weights only, a new optimizer, steps from 1)"
-        },
-    )
-    lora: int = field(
-        default=0,
-        metadata={
-            "help": "hf: train LoRA adapters of rank R (peft) beside the --lora-targets, the model's own weights "
-            "frozen (no gradients, no optimizer state); 0: train every weight"
-        },
-    )
-    lora_targets: str = field(
-        default="",
-        metadata={
-            "help": "--lora: the modules adapted, comma-separated (q_proj,v_proj); '': peft's default for the "
-            "model's architecture"
-        },
-    )
-    tokenizer: str = field(
-        default="",
-        metadata={
-            "help": "hf, --data TEXT: a tokenizer.json (or its folder; a tokenizer_config.json beside it must name "
-            "its eos_token, which ends every document, and may name a bos_token, which then starts every document) "
-            "or a SentencePiece .model to read the text with ('': OUT/vocab.model, trained on the text's lines on "
-            "the first run, --vocab-size pieces)"
-        },
-    )
-    layers: int = field(
-        default=0,
-        metadata={
-            "help": "L: encoder layers (as many decoder layers) of the transformer, normal cells of AmoebaNet-D; "
-            "0: the model's default (transformer 2, amoebanet 6)"
-        },
-    )
-    hidden: int = field(default=256, metadata={"help": "transformer: H, the feed-forward size"})
-    heads: int = field(default=4, metadata={"help": "transformer: A, the attention heads"})
-    dim: int = field(default=64, metadata={"help": "transformer: the model dimension"})
-    head_dim: int = field(
-        default=0,
-        metadata={
-            "help": "transformer: the width of every attention head (0: dim / heads); the paper's 32-head models "
-            "have heads of 64 in a 1024-wide model"
-        },
-    )
-    filters: int = field(default=16, metadata={"help": "amoebanet: D, the filters of the first stack"})
-    reference_cells: bool = field(
-        default=False,
-        metadata={
-            "help": "amoebanet: the cells of the TPU reference implementation, which meet the paper's parameter "
-            "counts (normal cells also concatenate their input, 4D wide; the reduction's 3x3 a bottleneck)"
-        },
-    )
-    classes: int = field(default=10, metadata={"help": "amoebanet: classes of the synthetic images (--data: its own)"})
-    image_size: int = field(
-        default=32,
-        metadata={"help": "amoebanet: image side of the synthetic images and of a folder's images (.npz keep theirs)"},
-    )
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
-    logit_clip: float = field(default=0.0, metadata={"help": "clip logits to +-this (0: no clipping)"})
-    transparent: bool = field(
-        default=False,
-        metadata={
-            "help": "transformer: transparent attention (Bapna et al. 2018), for deep encoders: each decoder layer "
-            "attends over its own learned softmax-weighted mix of the source embedding and every encoder layer's "
-            "output; the weights are logged at each evaluation as transparent/dec<j>/<source> (emb, enc<i>)"
-        },
-    )
-    experts: int = field(
-        default=0,
-        metadata={
-            "help": "transformer: the feed-forward block of every --moe-every'th encoder and decoder layer is a "
-            "sparsely-gated mixture of E experts, gated as GShard (0: dense)"
-        },
-    )
-    expert_top_k: int = field(default=2, metadata={"help": "--experts: the experts each token goes to (GShard: 2)"})
-    capacity_factor: float = field(
-        default=1.25,
-        metadata={
-            "help": "--experts: an expert takes at most factor x top-k x positions / E tokens of a micro-batch; the "
-            "tokens past it are dropped (carried by the residual)"
-        },
-    )
-    moe_every: int = field(default=2, metadata={"help": "--experts: every N'th layer's feed-forward is a mixture"})
-    moe_loss_weight: float = field(
-        default=0.01, metadata={"help": "--experts: the weight of the load-balancing loss added to the objective"}
-    )
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
     data_parallel: int = field(
         default=1,
@@ -233,6 +132,18 @@ class TrainConfig:
     warmup: int = field(default=30, metadata={"help": "warm-up steps of the inverse-sqrt schedule"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
     clip_norm: float = field(default=1.0, metadata={"help": "per-parameter gradient-norm clipping (0: none)"})
+    lr_hypergradient: float = field(
+        default=0.0,
+        metadata={
+            "help": "learn the learning rate as it trains, by hypergradient descent (Baydin et al. 2017) at rate "
+            "BETA in [0, 1): each step multiplies it by 1 + BETA x the cosine between the gradient and the last "
+            "update (0: off); the learned rates are logged as lr/NNN (per layer) or lr/model"
+        },
+    )
+    lr_hypergradient_scope: str = field(
+        default="layer",
+        metadata={"help": "--lr-hypergradient: one learned rate per layer (a tied weight its own), or global"},
+    )
     precision: str = field(
         default="fp32",
         metadata={
@@ -425,7 +336,7 @@ class TrainConfig:
             raise ConfigError(f"--eval-every must be 0 (never) or positive (got {self.eval_every})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
-        if (error := data_flags_error(self) or devices_error(self)) is not None:
+        if (error := data_flags_error(self) or devices_error(self) or aids_error(self)) is not None:
             raise ConfigError(error)
         if (error := shape_error(self)) is not None:
             raise ConfigError(error)

@@ -29,6 +29,7 @@ from gpipe.evaluation import decoding_left_out, evaluate
 from gpipe.health import Recorder
 from gpipe.models import parameter_count
 from gpipe.models.moe import active_parameters, routing_metrics
+from gpipe.models.sharing import unshared_parameters
 from gpipe.models.transparent import transparent_weights
 from gpipe.nonfinite import locate
 from gpipe.recipe import (
@@ -45,6 +46,7 @@ from gpipe.train.data import left_out, train_batch
 from gpipe.train.elastic import RESTARTS, Restart, finished, record_failure, restart_of, start_job
 from gpipe.train.guard import GUARD, NonFiniteError, StepGuard
 from gpipe.train.initial import RUN, init_source, warm_start
+from gpipe.train.learned import learned_rates, load_rates
 from gpipe.train.metrics import (
     bleu_table,
     eval_postfix,
@@ -204,6 +206,9 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
     if cfg.experts and process_rank() == 0:  # (counted on the whole model: on the meta device where not here)
         total, active = parameter_count(model), active_parameters(model)
         print(f"note: a mixture of experts: {total:,} parameters, {active:,} of them per token", file=sys.stderr)
+    if cfg.share_layers > 1 and process_rank() == 0:  # (a shared tensor counted once; the stages hold copies)
+        print(f"note: layers shared every {cfg.share_layers}: {parameter_count(model):,} parameters "
+              f"({unshared_parameters(model):,} without sharing)", file=sys.stderr)  # fmt: skip
     pipe = make_pipeline(cfg, model, data, losses, distributed=distributed)
     if process_rank() == 0 and (left := decoding_left_out(pipe, data)) is not None:
         command = "translate" if left == "BLEU" else "generate"
@@ -224,9 +229,12 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
     checkpoints.lora = getattr(model, "lora", None)  # (--lora: the adapters' settings, kept in lora.json)
     guard = StepGuard(cfg, pipe)  # --on-nonfinite, --max-skips, --skip-spikes
     checkpoints.guard = guard.state
+    rates = learned_rates(cfg, pipe, optimizer)  # --lr-hypergradient
+    checkpoints.rates = rates
     start = checkpoints.resume() if cfg.resume else 1
     if checkpoints.loaded is not None:
         guard.load(checkpoints.loaded / GUARD)
+        load_rates(rates, checkpoints.loaded)
     if cfg.init and not cfg.resume and (found := init_source(cfg.init))[0] == RUN:
         said = warm_start(cfg, pipe, data, found[1])  # the weights only: a new optimizer and schedule
         if process_rank() == 0:
@@ -276,7 +284,7 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
             # on interruption is then labelled with the step whose update its weights hold.
             with interrupts.held():
                 if skipped is None:
-                    optimizer.step()
+                    optimizer.step() if rates is None else rates.step()
                 scheduler.step()  # (the learning rate follows the step number)
                 done = step
                 seconds = time.perf_counter() - began
@@ -287,6 +295,8 @@ def _train(cfg: TrainConfig, restart: Restart | None, on_eval: OnEval | None) ->
                     rate: batch.count / seconds,
                     "bubble": bubble,
                 }
+                if rates is not None:  # the learned rates of the step that ran
+                    last.update(rates.metrics(last["lr"]))
                 if report is not None:
                     last.update(report.metrics())
                 if skipped is not None:

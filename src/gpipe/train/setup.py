@@ -60,9 +60,9 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-STATE_BYTES = {"adam": 16.0, "adafactor": 8.0, "rmsprop": 12.0}
+STATE_BYTES = {"adam": 16.0, "adafactor": 8.0, "rmsprop": 12.0, "sgd": 12.0}
 """What a float32 parameter holds in training, by ``--optimizer``: weight, gradient and optimizer state
-(Adam's two moments; Adafactor's factored ones, next to nothing; RMSprop's one)."""
+(Adam's two moments; Adafactor's factored ones, next to nothing; RMSprop's one; SGD's momentum)."""
 
 
 def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -71,6 +71,8 @@ def make_optimizer(cfg: TrainConfig, params: Iterator[torch.nn.Parameter]) -> to
         return adafactor(params)
     if cfg.optimizer == "rmsprop":
         return rmsprop(params, lr=1.0)
+    if cfg.optimizer == "sgd":  # (momentum 0.9)
+        return torch.optim.SGD(params, lr=1.0, momentum=0.9)
     return torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
 
 
@@ -223,6 +225,7 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
         capacity_factor=cfg.capacity_factor,
         moe_every=cfg.moe_every,
         moe_loss_weight=cfg.moe_loss_weight,
+        share_layers=cfg.share_layers,
     )  # fmt: skip (gpipe's batches: at the end)
 
 
