@@ -47,8 +47,9 @@ and every weighted operation ends in a :class:`Multiplier`.
 The initialization lives in the ``reset_parameters`` methods of the modules holding the weights
 (:class:`FixupLinear`, :class:`FixupConv2d`, :class:`FixupMultiheadAttention`, and the feed-forward's
 and experts' own), so that a model built on the meta device gets it when a pipeline materializes each
-stage; the weights are drawn as the default modules draw them and then scaled, so that a Fixup
-model's scaled weights are the default model's (with ``ff_init_scale=1``) times the factor.
+stage. The Transformer's weights are drawn as the default modules draw them and then scaled, so that
+a Fixup Transformer's scaled weights are the default one's (with ``ff_init_scale=1``, built from the
+same seed) times the factor.
 """
 
 from __future__ import annotations
