@@ -161,10 +161,11 @@ def losses_of(out: Path) -> list[dict[str, object]]:
 
 
 def test_gpipe_train_with_the_aids_is_exact_across_k_and_resumes_exactly(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """``gpipe train`` with shared layers and per-layer learned rates: K = 1 and K = 2 give the same
-    losses and learned rates; a run stopped at step 2 and resumed has the uninterrupted run's; the
-    first lines count the shared weights once."""
-    common = ["--layers", "2", "--share-layers", "2", "--lr-hypergradient", "0.05", "--steps", "4", "--batch", "8",
+    """``gpipe train`` with the three aids (shared layers, per-layer learned rates, Fixup without layer
+    norm): K = 1 and K = 2 give the same losses and learned rates; a run stopped at step 2 and resumed
+    has the uninterrupted run's; the first lines count the shared weights once."""
+    common = ["--layers", "2", "--share-layers", "2", "--lr-hypergradient", "0.05", "--norm", "none", "--init-scheme",
+              "fixup", "--steps", "4", "--batch", "8",
               "--chunks", "2", "--eval-every", "0", "--dropout", "0.1", "--checkpoint-every", "2", "--no-progress",
               "--tensorboard", "off"]  # fmt: skip
     assert main(["train", *common, "--partitions", "2", "--out", str(tmp_path / "k2")]) == 0

@@ -25,6 +25,15 @@ over); the default cells are gpipe's original ones, 4-10% under those counts (do
 The model has L + 6 layers (L + 4 with ``stem_cells=0``, for small images), all constructible on the
 meta device. Batch norm is plain ``nn.BatchNorm2d``; pass ``deferred_batch_norm=True`` to the pipeline
 for the paper's per-mini-batch running statistics.
+
+``norm="none"`` takes batch norm out (each an ``nn.Identity`` under its name: the convolutions, which
+have no bias, are then left without one); ``init_scheme="fixup"`` (with it) trains the model without
+it (:mod:`gpipe.models.fixup`, whose docstring gives the rules): each operation with weights of a
+cell is a residual branch beside the parameter-free ones (skip, pooling), which carry the signal. Its
+last convolution starts at zero and the others at He et al.'s initialization times
+``L ** (-1 / (2m - 2))`` (L: the model's weighted operations, m: the operation's convolutions), it
+ends in a scalar multiplier; every convolution adds a scalar bias to its input, those of the main path
+(stem, preprocessing, factorized reductions) start at He's; the classifier starts at zero.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe.health import mark_blocks
+from gpipe.models.fixup import FixupConv2d, FixupLinear, Multiplier, check_settings, fixup_scale, without_norms
 
 __all__ = ["NORMAL", "REDUCTION", "REFERENCE_NORMAL_CONCAT", "amoebanet_d", "smallest_feature_map"]
 
@@ -200,18 +210,23 @@ def amoebanet_d(
     in_channels: int = 3,
     stem_cells: int = 2,
     reference_cells: bool = False,
+    norm: str = "batch",
+    init_scheme: str = "default",
 ) -> nn.Sequential:
     """AmoebaNet-D(L, D): ``layers`` normal cells in three stacks (the first stacks get the
     remainder), ``filters`` filters in the first stack. ``stem_cells`` reduction cells (of D/4 and
     D/2 filters) follow the stem convolution, as for ImageNet; use 0 for small images such as 32x32.
     ``reference_cells``: the TPU reference implementation's cells (normal cells 4C wide, the
     reduction's 3x3 a bottleneck), which meet the paper's parameter counts; see the module's docstring.
-    Input: images (B, in_channels, H, W); output: logits (B, classes)."""
+    ``norm``: ``'batch'`` or ``'none'`` (no batch norm); ``init_scheme``: ``'default'`` or, with
+    ``norm='none'``, ``'fixup'`` (see the module's docstring). Input: images (B, in_channels, H, W);
+    output: logits (B, classes)."""
     if layers < 1 or filters < 4 or classes < 1 or stem_cells not in (0, 1, 2):
         raise ValueError(
             f"AmoebaNet-D needs layers >= 1, filters >= 4, classes >= 1 and stem_cells in 0..2 "
             f"(layers: {layers}, filters: {filters}, classes: {classes}, stem_cells: {stem_cells})"
         )
+    fixup = check_settings(norm, init_scheme, ("batch", "none"))
     stem = filters // 4 if stem_cells else filters
     cells: list[nn.Module] = [Stem(in_channels, stem)]
     prev_prev = prev = stem
@@ -237,7 +252,37 @@ def amoebanet_d(
         for _ in range(count):
             add(filters * 2**i, False)
     cells.append(Classifier(prev, classes))
-    return mark_blocks(nn.Sequential(*cells), 1, len(cells) - 2)  # (the gradient-norm ratio: first and last cells)
+    model = nn.Sequential(*cells)
+    if norm == "none":
+        without_norms(model, nn.BatchNorm2d)
+    if fixup:
+        _fixup(model)
+    return mark_blocks(model, 1, len(cells) - 2)  # (the gradient-norm ratio: first and last cells)
+
+
+def _fixup(model: nn.Sequential) -> None:
+    """Fixup's initialization and scalars for an AmoebaNet-D without batch norm (the module's docstring)."""
+    ops = [op for cell in model if isinstance(cell, Cell) for op in cell.ops if isinstance(op, nn.Sequential)]
+    for op in ops:  # the weighted operations: residual branches
+        convs = [name for name, m in op.named_children() if isinstance(m, nn.Conv2d)]
+        for name in convs:
+            gain = fixup_scale(len(ops), len(convs)) if name != convs[-1] else 0.0
+            setattr(op, name, _fixup_conv(op.get_submodule(name), gain))
+        op.append(Multiplier())
+    for parent in list(model.modules()):  # the main path's convolutions
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Conv2d:
+                setattr(parent, name, _fixup_conv(child, 1.0))
+    classifier = model[-1]
+    assert isinstance(classifier, Classifier)
+    classifier.fc = FixupLinear(classifier.fc.in_features, classifier.fc.out_features, gain=0.0)
+
+
+def _fixup_conv(conv: nn.Module, gain: float) -> FixupConv2d:
+    """A :class:`FixupConv2d` of ``conv``'s shape, He's initialization times ``gain``."""
+    assert isinstance(conv, nn.Conv2d)
+    return FixupConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                       bias=conv.bias is not None, gain=gain, device=conv.weight.device)  # fmt: skip
 
 
 def smallest_feature_map(model: nn.Module, image: tuple[int, ...]) -> int:

@@ -14,6 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from gpipe.cache import LayerCache
+from gpipe.models.fixup import FixupLinear, FixupMultiheadAttention
 
 __all__ = ["Attention", "attend", "attend_cached", "attention"]
 
@@ -24,11 +25,15 @@ class Attention(nn.Module):
     allowed; returns (output, None). Computed by :func:`attend` (``is_causal``: causal
     self-attention without a mask)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, dropout: float) -> None:
+    def __init__(self, dim: int, heads: int, head_dim: int, dropout: float, fixup: float | None = None) -> None:
         super().__init__()
         self.heads, self.head_dim, self.dropout = heads, head_dim, dropout
-        self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim) for _ in range(3))
-        self.out_proj = nn.Linear(heads * head_dim, dim)
+        if fixup is None:
+            self.q, self.k, self.v = (nn.Linear(dim, heads * head_dim) for _ in range(3))
+            self.out_proj = nn.Linear(heads * head_dim, dim)
+        else:  # Fixup's initialization (gpipe.models.fixup): the projections scaled, the output's zero
+            self.q, self.k, self.v = (FixupLinear(dim, heads * head_dim, gain=fixup) for _ in range(3))
+            self.out_proj = FixupLinear(heads * head_dim, dim, gain=0.0)
 
     def forward(
         self,
@@ -79,6 +84,7 @@ def attend(
     causal: bool = False,
     mask: Tensor | None = None,
     pad_at_end: bool | None = None,
+    before_out: Tensor | None = None,
 ) -> Tensor:
     """``attn`` (:class:`Attention` or a ``batch_first`` ``nn.MultiheadAttention``, whose weights it
     uses) of ``query`` (B, T, D) over ``key`` and ``value`` (B, S, D), without a (T, S) matrix where
@@ -86,7 +92,8 @@ def attend(
     keys up to t (self-attention), ``mask`` (T, S) or (B, 1, T, S) True where not allowed (a (T, S)
     matrix given is a (T, S) matrix used). Dropout on the attention probabilities: ``attn``'s, in
     training mode. ``pad_at_end`` (causal with ``pad``): True, every row's padding comes after its real
-    tokens; False, not so; None, told by ``pad``'s values (a host read: a device synchronization)."""
+    tokens; False, not so; None, told by ``pad``'s values (a host read: a device synchronization).
+    ``before_out``: added to the attended values before the output projection (Fixup's scalar bias)."""
     q, k, v, out, width = _projections(attn)
     if causal and mask is not None:
         raise ValueError("attend: give causal or a mask, not both (put the causal pairs in the mask)")
@@ -110,24 +117,44 @@ def attend(
     attended = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=allowed, dropout_p=dropout, is_causal=causal
     )
-    result: Tensor = out(attended.transpose(1, 2).flatten(2))
+    return _out(out, attended, before_out)
+
+
+def _out(out: Any, attended: Tensor, before_out: Tensor | None) -> Tensor:
+    """The output projection of the heads' attended values (B, H, T, d), ``before_out`` added first."""
+    values = attended.transpose(1, 2).flatten(2)
+    result: Tensor = out(values if before_out is None else values + before_out)
     return result
 
 
-def attention(dim: int, heads: int, dropout: float, head_dim: int | None, attention_dropout: float | None) -> nn.Module:
+def attention(
+    dim: int, heads: int, dropout: float, head_dim: int | None, attention_dropout: float | None,
+    fixup: float | None = None,
+) -> nn.Module:  # fmt: skip
+    """``fixup``: Fixup's initialization, the query, key and value projections scaled by it, the
+    output projection zero (:mod:`gpipe.models.fixup`); None: the usual one."""
     p = dropout if attention_dropout is None else attention_dropout  # on the attention probabilities
+    if head_dim is None and fixup is not None:
+        return FixupMultiheadAttention(dim, heads, dropout=p, batch_first=True, gain=fixup)
     if head_dim is None:
         return nn.MultiheadAttention(dim, heads, dropout=p, batch_first=True)
-    return Attention(dim, heads, head_dim, p)
+    return Attention(dim, heads, head_dim, p, fixup)
 
 
 def attend_cached(
-    attn: nn.Module, cache: LayerCache, prefix: str, query: Tensor, new: Tensor | None, pad: Tensor | None, causal: bool
+    attn: nn.Module,
+    cache: LayerCache,
+    prefix: str,
+    query: Tensor,
+    new: Tensor | None,
+    pad: Tensor | None,
+    causal: bool,
+    before_out: Tensor | None = None,
 ) -> Tensor:
     """``attn`` of ``query`` (B, T, D) over the keys and values kept under ``prefix`` in ``cache``,
     extended by those of ``new`` (B, T', D) if given; ``pad`` (B, T') marks the new keys not to
     attend to, ``causal``: the new queries are the last positions of the keys (a query attends to
-    the keys up to its own position)."""
+    the keys up to its own position). ``before_out``: as :func:`attend`'s."""
     q, k, v, out, width = _projections(attn)
     if new is not None:
         keys = cache.extend(prefix + "k", _heads(k(new), width), dim=2)
@@ -149,5 +176,4 @@ def attend_cached(
         later = torch.ones(length, total, dtype=torch.bool, device=query.device).triu(total - length + 1)
         allowed = ~later if allowed is None else allowed & ~later
     attended = F.scaled_dot_product_attention(_heads(q(query), width), keys, values, attn_mask=allowed, is_causal=first)
-    result: Tensor = out(attended.transpose(1, 2).flatten(2))
-    return result
+    return _out(out, attended, before_out)

@@ -59,23 +59,27 @@ class Experts(nn.Module):
     ``inner_weight`` (E, dim, hidden), ``inner_bias`` (E, hidden), ``outer_weight`` (E, hidden, dim),
     ``outer_bias`` (E, dim). Called on an (E, C, dim) buffer, expert e on row e."""
 
-    def __init__(self, experts: int, dim: int, hidden: int, init_scale: float) -> None:
+    def __init__(self, experts: int, dim: int, hidden: int, init_scale: float, fixup: bool = False) -> None:
         super().__init__()
         self.inner_weight = nn.Parameter(torch.empty(experts, dim, hidden))
         self.inner_bias = nn.Parameter(torch.empty(experts, hidden))
         self.outer_weight = nn.Parameter(torch.empty(experts, hidden, dim))
         self.outer_bias = nn.Parameter(torch.empty(experts, dim))
-        self.init_scale = init_scale
+        self.init_scale, self.fixup = init_scale, fixup
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Each expert as ``nn.Linear`` initializes a layer of its sizes (uniform in +-1/sqrt(fan in)),
-        the weights then scaled by ``init_scale`` (the dense feed-forward's 1/L)."""
+        the weights then scaled by ``init_scale`` (the dense feed-forward's 1/L); with ``fixup``, the
+        outer weights and biases then zero (:mod:`gpipe.models.fixup`: the branch's last layer)."""
         with torch.no_grad():
             for weight, bias in ((self.inner_weight, self.inner_bias), (self.outer_weight, self.outer_bias)):
                 bound = 1 / math.sqrt(weight.size(1))
                 weight.uniform_(-bound, bound).mul_(self.init_scale)
                 bias.uniform_(-bound, bound)
+            if self.fixup:
+                self.outer_weight.zero_()
+                self.outer_bias.zero_()
 
     @property
     def count(self) -> int:
@@ -145,7 +149,8 @@ def route(
 class MoEFeedForward(nn.Module):
     """A feed-forward block of ``experts`` experts, ``top_k`` of which take each token (see the
     module's docstring). Called as the dense block is, with the positions' padding: ``ff(x, pad)``,
-    ``x`` (B, T, dim), ``pad`` (B, T) True for padding, or None."""
+    ``x`` (B, T, dim), ``pad`` (B, T) True for padding, or None. ``fixup``: Fixup's initialization,
+    the experts' outer layers zero (:mod:`gpipe.models.fixup`)."""
 
     gpipe_auxiliary_loss = True  # (a pipeline's stage weights it by the micro-batch's share)
     routing: Tensor
@@ -161,11 +166,12 @@ class MoEFeedForward(nn.Module):
         loss_weight: float = 0.01,
         dropout: float = 0.0,
         init_scale: float = 1.0,
+        fixup: bool = False,
     ) -> None:
         super().__init__()
         check_moe(experts, top_k, capacity_factor, loss_weight)
         self.gate = nn.Linear(dim, experts, bias=False)
-        self.experts = Experts(experts, dim, hidden, init_scale)
+        self.experts = Experts(experts, dim, hidden, init_scale, fixup)
         # On the experts' outputs, where the tokens live: the same numbers wherever the experts are.
         self.dropout = nn.Dropout(dropout)
         self.top_k, self.capacity_factor, self.loss_weight = top_k, capacity_factor, loss_weight

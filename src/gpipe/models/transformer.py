@@ -38,6 +38,9 @@ where the layers compute in it; the weights stay as they are (fp32 masters).
 The paper's two trainability tricks for deep models are built in: every feed-forward layer's
 initial weights are scaled down by the number of layers (``ff_init_scale``, default 1/L), and the
 output logits are clipped to ±``logit_clip`` (None: no clipping).
+
+``norm="none"`` takes the layer norms out (each an ``nn.Identity`` under its name);
+``init_scheme="fixup"`` (with it) trains the model without them: :mod:`gpipe.models.fixup`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from gpipe.cache import LayerCache, layer_cache
 from gpipe.health import mark_blocks
 from gpipe.models import sharing
 from gpipe.models.attention import Attention, attend, attend_cached, attention
+from gpipe.models.fixup import FixupBranch, FixupLinear, check_settings, fixup_scale, without_norms
 from gpipe.models.moe import MoEFeedForward
 from gpipe.models.transparent import transparent_attention
 from gpipe.recipe import clip_logits
@@ -63,11 +67,14 @@ Tuple = tuple[Any, ...]
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, dropout: float, init_scale: float) -> None:
+    """Linear-ReLU-Linear, both weights scaled by ``init_scale``; with ``fixup``, the outer layer zero
+    instead (:mod:`gpipe.models.fixup`)."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float, init_scale: float, fixup: bool = False) -> None:
         super().__init__()
         self.inner, self.outer = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.dropout = nn.Dropout(dropout)
-        self.init_scale = init_scale
+        self.init_scale, self.fixup = init_scale, fixup
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -75,11 +82,48 @@ class FeedForward(nn.Module):
         self.outer.reset_parameters()
         with torch.no_grad():
             self.inner.weight.mul_(self.init_scale)
-            self.outer.weight.mul_(self.init_scale)
+            if self.fixup:
+                self.outer.weight.zero_()
+                self.outer.bias.zero_()
+            else:
+                self.outer.weight.mul_(self.init_scale)
 
-    def forward(self, x: Tensor, pad: Tensor | None = None) -> Tensor:  # (pad: as a mixture of experts is called)
-        out: Tensor = self.outer(self.dropout(torch.relu(self.inner(x))))
+    def forward(self, x: Tensor, pad: Tensor | None = None, biases: Tensor | None = None) -> Tensor:
+        """(``pad``: as a mixture of experts is called; ``biases``: Fixup's two scalars, before the
+        ReLU and before the outer layer.)"""
+        if biases is None:
+            out: Tensor = self.outer(self.dropout(torch.relu(self.inner(x))))
+            return out
+        out = self.outer(self.dropout(torch.relu(self.inner(x) + biases[0])) + biases[1])
         return out
+
+
+def _attention(attn: nn.Module, branch: FixupBranch | None, h: Tensor, memory: Tensor | None, **kwargs: Any) -> Tensor:
+    """``attn`` of ``h`` over ``memory`` (None: self-attention), with a Fixup ``branch`` its first scalar
+    bias added to the inputs, its second to the attended values, its output multiplied by its scalar."""
+    if branch is None:
+        keys = h if memory is None else memory
+        return attend(attn, h, keys, keys, **kwargs)
+    h = h + branch.biases[0]
+    keys = h if memory is None else memory + branch.biases[0]
+    return attend(attn, h, keys, keys, before_out=branch.biases[1], **kwargs) * branch.scale
+
+
+def _feed_forward(ff: nn.Module, branch: FixupBranch | None, h: Tensor, pad: Tensor | None) -> Tensor:
+    """``ff`` of ``h``, with a Fixup ``branch`` its first scalar bias added to the input, the others
+    inside a dense block (a mixture of experts has none), the output multiplied by its scalar."""
+    if branch is None:
+        out: Tensor = ff(h, pad)
+        return out
+    h = h + branch.biases[0]
+    out = ff(h, pad, branch.biases[1:]) if isinstance(ff, FeedForward) else ff(h, pad)
+    return out * branch.scale
+
+
+def _branches(fixup: float | None, *biases: int) -> list[FixupBranch | None]:
+    """Fixup's scalars for a layer's branches (each with its count of ``biases``; 0: no such branch);
+    None each without Fixup."""
+    return [FixupBranch(n) if fixup is not None and n else None for n in biases]
 
 
 def _split_plan(layer: nn.Module, attentions: tuple[str, ...], tp: int) -> dict[str, ParallelStyle]:
@@ -156,12 +200,14 @@ class EncoderLayer(nn.Module):
         ff_scale: float,
         head_dim: int | None = None,
         attention_dropout: float | None = None,
+        fixup: float | None = None,
     ) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = attention(dim, heads, dropout, head_dim, attention_dropout)
-        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale)
+        self.attn = attention(dim, heads, dropout, head_dim, attention_dropout, fixup)
+        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale, fixup is not None)
         self.dropout = nn.Dropout(dropout)
+        self.fixup_attn, self.fixup_ff = _branches(fixup, 2, 3)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
         return _split_plan(self, ("attn",), tp)
@@ -170,9 +216,8 @@ class EncoderLayer(nn.Module):
         x, src_pad, tgt = inputs
         if x is None:  # a decoding step after the first: nothing to encode
             return inputs
-        h = self.norm1(x)
-        x = x + self.dropout(attend(self.attn, h, h, h, pad=src_pad))
-        x = x + self.dropout(self.ff(self.norm2(x), src_pad))
+        x = x + self.dropout(_attention(self.attn, self.fixup_attn, self.norm1(x), None, pad=src_pad))
+        x = x + self.dropout(_feed_forward(self.ff, self.fixup_ff, self.norm2(x), src_pad))
         return x, src_pad, tgt
 
 
@@ -206,16 +251,18 @@ class DecoderLayer(nn.Module):
         cross: bool,
         head_dim: int | None = None,
         attention_dropout: float | None = None,
+        fixup: float | None = None,
     ) -> None:
         super().__init__()
         self.norm1, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.self_attn = attention(dim, heads, dropout, head_dim, attention_dropout)
+        self.self_attn = attention(dim, heads, dropout, head_dim, attention_dropout, fixup)
         self.cross = cross
         if cross:
             self.norm2 = nn.LayerNorm(dim)
-            self.cross_attn = attention(dim, heads, dropout, head_dim, attention_dropout)
-        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale)
+            self.cross_attn = attention(dim, heads, dropout, head_dim, attention_dropout, fixup)
+        self.ff: nn.Module = FeedForward(dim, hidden, dropout, ff_scale, fixup is not None)
         self.dropout = nn.Dropout(dropout)
+        self.fixup_self_attn, self.fixup_cross_attn, self.fixup_ff = _branches(fixup, 2, 2 if cross else 0, 3)
         self.pad_at_end: bool | None = None  # the targets' padding (attend's pad_at_end; transformer's target_padding)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, ParallelStyle]:
@@ -226,12 +273,13 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             return self._cached(cache, y, tgt_pad, memory, src_pad)
         h = self.norm1(y)
-        y = y + self.dropout(attend(self.self_attn, h, h, h, pad=tgt_pad, causal=True, pad_at_end=self.pad_at_end))
+        attended = _attention(self.self_attn, self.fixup_self_attn, h, None, pad=tgt_pad, causal=True,
+                              pad_at_end=self.pad_at_end)  # fmt: skip
+        y = y + self.dropout(attended)
         if self.cross:
             assert memory is not None, "the decoder layer of an encoder-decoder needs the encoder's output"
-            h = self.norm2(y)
-            y = y + self.dropout(attend(self.cross_attn, h, memory, memory, pad=src_pad))
-        out: Tensor = y + self.dropout(self.ff(self.norm3(y), tgt_pad))
+            y = y + self.dropout(_attention(self.cross_attn, self.fixup_cross_attn, self.norm2(y), memory, pad=src_pad))
+        out: Tensor = y + self.dropout(_feed_forward(self.ff, self.fixup_ff, self.norm3(y), tgt_pad))
         return out
 
     def _cached(
@@ -240,16 +288,18 @@ class DecoderLayer(nn.Module):
         """The block on the new positions ``y``, attending to the kept keys and values too (the
         encoder's output's, kept from the first step, for the cross-attention)."""
         h = self.norm1(y)
-        y = y + self._cached_attention(self.self_attn, cache, "self.", h, h, tgt_pad, causal=True)
+        y = y + self._cached_attention(self.self_attn, self.fixup_self_attn, cache, "self.", h, h, tgt_pad, True)
         if self.cross:
             h = self.norm2(y)
-            y = y + self._cached_attention(self.cross_attn, cache, "cross.", h, memory, src_pad, causal=False)
-        out: Tensor = y + self.ff(self.norm3(y), tgt_pad)
+            y = y + self._cached_attention(self.cross_attn, self.fixup_cross_attn, cache, "cross.", h, memory,
+                                           src_pad, False)  # fmt: skip
+        out: Tensor = y + _feed_forward(self.ff, self.fixup_ff, self.norm3(y), tgt_pad)
         return out
 
     @staticmethod
     def _cached_attention(
         attn: nn.Module,
+        branch: FixupBranch | None,
         cache: LayerCache,
         prefix: str,
         query: Tensor,
@@ -257,9 +307,15 @@ class DecoderLayer(nn.Module):
         pad: Tensor | None,
         causal: bool,
     ) -> Tensor:
+        """As :func:`_attention` does, over the cache (``new``: the keys' new inputs, ``query`` for
+        self-attention, None when the memory's keys and values are kept)."""
         if getattr(attn, "training", False):
             raise ValueError("decoding with caches needs the model in evaluation mode: call model.eval() first")
-        return attend_cached(attn, cache, prefix, query, new, pad, causal)
+        if branch is None:
+            return attend_cached(attn, cache, prefix, query, new, pad, causal)
+        shifted = query + branch.biases[0]
+        new = shifted if new is query else None if new is None else new + branch.biases[0]
+        return attend_cached(attn, cache, prefix, shifted, new, pad, causal, branch.biases[1]) * branch.scale
 
     def forward(self, inputs: Any) -> Any:
         if isinstance(inputs, Tensor):  # the decoder-only model: (B, T, D)
@@ -271,10 +327,11 @@ class DecoderLayer(nn.Module):
 class Output(nn.Module):
     """Final norm and projection to the vocabulary, logits clipped to ±``logit_clip``."""
 
-    def __init__(self, dim: int, vocab: int, logit_clip: float | None) -> None:
+    def __init__(self, dim: int, vocab: int, logit_clip: float | None, fixup: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.proj = nn.Linear(dim, vocab, bias=False)
+        # (Fixup: the classification layer starts at zero)
+        self.proj = FixupLinear(dim, vocab, bias=False, gain=0.0) if fixup else nn.Linear(dim, vocab, bias=False)
         self.logit_clip = logit_clip
 
     def forward(self, inputs: Any) -> Tensor:
@@ -315,6 +372,8 @@ def transformer(
     capacity_factor: float = 1.25,
     moe_every: int = 2,
     moe_loss_weight: float = 0.01,
+    norm: str = "layer",
+    init_scheme: str = "default",
     share_layers: int = 1,
 ) -> nn.Sequential:
     """T(L, H, A): ``layers`` encoder and ``layers`` decoder layers, feed-forward size ``hidden``,
@@ -327,18 +386,22 @@ def transformer(
     ``experts``: the feed-forward block of every ``moe_every``-th encoder and decoder layer is a
     mixture of that many experts (:class:`gpipe.models.moe.MoEFeedForward`: ``expert_top_k`` per
     token, ``capacity_factor``, the load-balancing loss weighted ``moe_loss_weight``); 0: none.
+    ``norm``: ``'layer'`` or ``'none'`` (no layer norm); ``init_scheme``: ``'default'`` or, with
+    ``norm='none'``, ``'fixup'`` (:mod:`gpipe.models.fixup`: L = 5 x ``layers`` residual branches).
     ``share_layers``: every N consecutive encoder layers, and decoder layers, hold one set of weights
     (:mod:`gpipe.models.sharing`; N divides ``layers``, dense layers only); 1: none."""
     if target_padding not in ("any", "end"):
         raise ValueError(f"target_padding is 'any' or 'end' (target_padding: {target_padding!r})")
-    scale = ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers)
+    fixup = _fixup(norm, init_scheme, ff_init_scale, 5 * layers)  # (2 branches per encoder layer, 3 per decoder)
+    scale = fixup or (ff_init_scale if ff_init_scale is not None else 1.0 / (2 * layers))
     model = nn.Sequential(
         SourceEmbedding(vocab, dim, max_len, dropout, pad),
-        *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim, attention_dropout) for _ in range(layers)],
+        *[EncoderLayer(dim, hidden, heads, dropout, scale, head_dim, attention_dropout, fixup) for _ in range(layers)],
         TargetEmbedding(vocab, dim, max_len, dropout, pad),
-        *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout) for _ in range(layers)],
-        Output(dim, vocab, logit_clip),
-    )
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, True, head_dim, attention_dropout, fixup)
+          for _ in range(layers)],
+        Output(dim, vocab, logit_clip, fixup is not None),
+    )  # fmt: skip
     for layer in (m for m in model if isinstance(m, DecoderLayer) and target_padding == "end"):
         layer.pad_at_end = True
     if share_layers > 1:
@@ -349,21 +412,37 @@ def transformer(
     if experts:
         moe = {"experts": experts, "top_k": expert_top_k, "capacity_factor": capacity_factor,
                "loss_weight": moe_loss_weight, "dropout": dropout}  # fmt: skip
-        _mixtures(model, moe_every, moe, scale)
+        _mixtures(model, moe_every, moe, scale, fixup is not None)
+    if norm == "none":
+        without_norms(model, nn.LayerNorm)
     model = transparent_attention(model, layers, layers) if transparent else model
     return mark_blocks(model, 1, layers)  # (Bapna et al.'s gradient-norm ratio: the first and last encoder layers)
 
 
-def _mixtures(model: nn.Sequential, every: int, moe: dict[str, Any], scale: float) -> None:
+def _fixup(norm: str, init_scheme: str, ff_init_scale: float | None, branches: int) -> float | None:
+    """The settings checked; Fixup's factor for a model of ``branches`` residual branches, or None."""
+    if not check_settings(norm, init_scheme, ("layer", "none")):
+        return None
+    if ff_init_scale is not None:
+        raise ValueError(
+            f"init_scheme='fixup' sets the feed-forward layers' initial scale itself (ff_init_scale: {ff_init_scale}): "
+            "leave ff_init_scale out"
+        )
+    return fixup_scale(branches, 2)  # (m = 2 weight layers per branch)
+
+
+def _mixtures(model: nn.Sequential, every: int, moe: dict[str, Any], scale: float, fixup: bool) -> None:
     """Every ``every``-th encoder layer's and decoder layer's feed-forward block made a mixture of
-    experts of its sizes (``moe``: :class:`MoEFeedForward`'s settings)."""
+    experts of its sizes (``moe``: :class:`MoEFeedForward`'s settings; ``fixup``: Fixup's)."""
     if every < 1:
         raise ValueError(f"moe_every must be at least 1 (moe_every: {every}): 2 makes every other layer's a mixture")
     for kind in (EncoderLayer, DecoderLayer):
         for i, layer in enumerate((m for m in model if isinstance(m, kind)), start=1):
             if i % every == 0:
                 inner = cast(nn.Linear, layer.ff.get_submodule("inner"))
-                layer.ff = MoEFeedForward(inner.in_features, inner.out_features, init_scale=scale, **moe)
+                layer.ff = MoEFeedForward(inner.in_features, inner.out_features, init_scale=scale, fixup=fixup, **moe)
+                if fixup:  # a mixture's branch: a scalar bias before it, none inside
+                    layer.fixup_ff = FixupBranch(1)
 
 
 def transformer_lm(
@@ -380,20 +459,27 @@ def transformer_lm(
     head_dim: int | None = None,
     attention_dropout: float | None = None,
     transparent: bool = False,
+    norm: str = "layer",
+    init_scheme: str = "default",
 ) -> nn.Sequential:
     """A decoder-only language model of ``layers`` blocks: input tokens (B, T), output logits
-    (B, T, vocab) predicting the next token. ``attention_dropout``: as :func:`transformer`'s."""
+    (B, T, vocab) predicting the next token. ``attention_dropout``, ``norm``, ``init_scheme``: as
+    :func:`transformer`'s (Fixup's L = 2 x ``layers`` residual branches)."""
     if transparent:
         raise ValueError(
             "transparent=True mixes the encoder's layers for the decoder's cross-attention, and transformer_lm has "
             "no encoder: build an encoder-decoder, transformer(..., transparent=True), or leave transparent out"
         )
-    scale = ff_init_scale if ff_init_scale is not None else 1.0 / layers
+    fixup = _fixup(norm, init_scheme, ff_init_scale, 2 * layers)  # (2 branches per block)
+    scale = fixup or (ff_init_scale if ff_init_scale is not None else 1.0 / layers)
     model = nn.Sequential(
         TokenEmbedding(vocab, dim, max_len, dropout),
-        *[DecoderLayer(dim, hidden, heads, dropout, scale, False, head_dim, attention_dropout) for _ in range(layers)],
-        Output(dim, vocab, logit_clip),
-    )
+        *[DecoderLayer(dim, hidden, heads, dropout, scale, False, head_dim, attention_dropout, fixup)
+          for _ in range(layers)],
+        Output(dim, vocab, logit_clip, fixup is not None),
+    )  # fmt: skip
+    if norm == "none":
+        without_norms(model, nn.LayerNorm)
     return mark_blocks(model, 1, layers)  # (the gradient-norm ratio: the first and last blocks)
 
 

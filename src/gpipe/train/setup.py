@@ -119,7 +119,7 @@ def make_pipeline(
         balance_by_flops(cfg.partitions * cfg.virtual, model, sample, chunks=cfg.chunks, state_bytes=state),
         virtual=cfg.virtual,
         chunks=cfg.chunks,
-        deferred_batch_norm=cfg.model == "amoebanet",
+        deferred_batch_norm=cfg.model == "amoebanet" and cfg.norm != "none",
         schedule=cfg.schedule,
         loss_fn=functools.partial(losses.loss_fn, reduction="sum") if losses.tokens else losses.loss_fn,
         loss_count=count_tokens(ignore_index(data)) if losses.tokens else None,
@@ -184,7 +184,8 @@ def make_model(cfg: TrainConfig, data: Dataset) -> torch.nn.Sequential:
         images = _images(data)
         with torch.device("meta"):
             model = image_model(cfg, images.classes, images.channels)
-        _check_batch_norm(cfg, model, tuple(images.batch(1, 0).inputs.shape[1:]))
+        if cfg.norm != "none":  # (batch norm per micro-batch needs more than one value per channel)
+            _check_batch_norm(cfg, model, tuple(images.batch(1, 0).inputs.shape[1:]))
         return model
     tokens = _tokens(data)
     with torch.device("meta"):
@@ -225,6 +226,8 @@ def translation_model(cfg: TrainConfig, vocab: int, length: int) -> torch.nn.Seq
         capacity_factor=cfg.capacity_factor,
         moe_every=cfg.moe_every,
         moe_loss_weight=cfg.moe_loss_weight,
+        norm="layer" if cfg.norm == "auto" else cfg.norm,
+        init_scheme=cfg.init_scheme,
         share_layers=cfg.share_layers,
     )  # fmt: skip (gpipe's batches: at the end)
 
@@ -233,7 +236,8 @@ def image_model(cfg: TrainConfig, classes: int, channels: int) -> torch.nn.Seque
     """The AmoebaNet-D ``cfg`` describes, for images of ``channels`` channels in ``classes`` classes
     (built on the current device: the meta device, for a run)."""
     return amoebanet_d(cfg.depth, cfg.filters, classes=classes, in_channels=channels, stem_cells=cfg.stem_cells,
-                       reference_cells=cfg.reference_cells)  # fmt: skip
+                       reference_cells=cfg.reference_cells, norm="batch" if cfg.norm == "auto" else cfg.norm,
+                       init_scheme=cfg.init_scheme)  # fmt: skip
 
 
 def _vocab(cfg: TrainConfig) -> Vocab:
