@@ -18,7 +18,7 @@ and the curves (``PART.png``).
   (``benchmarks/results/sweep/best.toml``), and at the demo's rate learned by hypergradient descent, per
   layer and global; the learned per-layer rates drawn (``rates_per_layer.png``).
 - ``fixup``: a deep T(``--deep``) with layer norm (the default), without normalization and the default
-  initialization, and without normalization with Fixup.
+  initialization, and without normalization with Fixup, at the demo's rate (0.01) and at 0.002.
 - ``share``: T(4) unshared, T(4) with every 2 layers sharing one set of weights (the parameters of
   T(2)'s layers) and with all 4 sharing, and T(2): BLEU per million parameters.
 """
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from gpipe.demo import VOCAB_SIZE
+from gpipe.train.guard import EXIT_NONFINITE
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ["--vocab-size", str(VOCAB_SIZE), "--steps", "200", "--eval-every", "50", "--no-progress",
@@ -61,9 +62,13 @@ def parts(deep: int) -> dict[str, dict[str, list[str]]]:
             "learned global (beta 0.02)": ["--lr-hypergradient", "0.02", "--lr-hypergradient-scope", "global"],
         },
         "fixup": {
-            f"T({deep}) layer norm": ["--layers", str(deep)],
-            f"T({deep}) no norm": ["--layers", str(deep), "--norm", "none"],
-            f"T({deep}) no norm, Fixup": ["--layers", str(deep), "--norm", "none", "--init-scheme", "fixup"],
+            f"T({deep}) {name}, lr {lr}": ["--layers", str(deep), "--lr", str(lr), *flags]
+            for lr in (0.01, 0.002)
+            for name, flags in (
+                ("layer norm", []),
+                ("no norm", ["--norm", "none"]),
+                ("no norm, Fixup", ["--norm", "none", "--init-scheme", "fixup"]),
+            )
         },
         "share": {
             "T(4)": ["--layers", "4"],
@@ -81,10 +86,11 @@ def train(corpus: Path, out: Path, flags: list[str], seed: int) -> dict[str, Any
                "--out", str(out), "--overwrite"]  # fmt: skip
     began = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
+    if done.returncode not in (0, EXIT_NONFINITE):  # (a run that diverges stops at its non-finite step: a result)
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": rows, "seconds": time.perf_counter() - began, "parameters": parameters(out)}
+    diverged = done.stderr.strip().splitlines()[-1] if done.returncode else None
+    return {"rows": rows, "seconds": time.perf_counter() - began, "parameters": parameters(out), "diverged": diverged}
 
 
 def parameters(out: Path) -> int:
@@ -104,12 +110,13 @@ def parameters(out: Path) -> int:
         return parameter_count(translation_model(cfg, run["vocab"], run["length"]))
 
 
-def summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """A configuration's figures, the mean over its seeds."""
+def summary(runs: dict[int, dict[str, Any]], steps: int) -> dict[str, Any] | None:
+    """A configuration's figures, the mean over its seeds (None: a seed's run diverged)."""
+    if any(r.get("diverged") or len(r["rows"]) < steps for r in runs.values()):
+        return None
     last = [r["rows"][-1] for r in runs.values()]
     pairs = sorted(k for k in last[0] if k.startswith("bleu/") and k.count("-"))
     mean = statistics.fmean
-    steps = len(last and next(iter(runs.values()))["rows"])
     at = {step: mean(r["rows"][step - 1]["loss"] for r in runs.values()) for step in (steps // 4, steps // 2, steps)}
     return {
         "loss": at,
@@ -122,16 +129,27 @@ def summary(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def table(results: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
-    figures = {name: summary(runs) for name, runs in results.items()}
-    pairs = list(next(iter(figures.values()))["pairs"])
+def table(results: dict[str, dict[int, dict[str, Any]]], steps: int) -> list[str]:
+    figures = {name: summary(runs, steps) for name, runs in results.items()}
+    done = [f for f in figures.values() if f is not None]
+    pairs = list(done[0]["pairs"]) if done else []
     lines = [
-        f"| run | parameters | {' | '.join(f'loss @{step}' for step in next(iter(figures.values()))['loss'])} | "
+        f"| run | parameters | {' | '.join(f'loss @{step}' for step in (steps // 4, steps // 2, steps))} | "
         "held-out loss | BLEU (seeds) | "
         + " | ".join(f"BLEU {p}" for p in pairs) + " | BLEU per M parameters | s per run |",
         "|---" * (9 + len(pairs)) + "|",
     ]  # fmt: skip
     for name, f in figures.items():
+        if f is None:  # a seed diverged: where, and how
+            said = "; ".join(
+                f"seed {seed}: loss {r['rows'][-1]['loss']:.4g} at step {len(r['rows'])}, then stopped "
+                f"({_stop(r['diverged'])})"
+                if r.get("diverged")
+                else f"seed {seed}: trained, loss {r['rows'][-1]['loss']:.4g} at step {len(r['rows'])}"
+                for seed, r in results[name].items()
+            )
+            lines.append(f"| {name} | {said} |" + " |" * (7 + len(pairs)))
+            continue
         seeds = ", ".join(f"{b:.1f}" for b in f["bleu_seeds"])
         lines.append(
             f"| {name} | {f['parameters']:,} | {' | '.join(f'{v:.3f}' for v in f['loss'].values())} | "
@@ -142,6 +160,11 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _stop(said: str) -> str:
+    """What stopped a run, from its last line (``error: step N: NaN in ...; --on-nonfinite ...``)."""
+    return said.removeprefix("error: ").split(";")[0]
+
+
 def plot(results: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -149,14 +172,15 @@ def plot(results: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) 
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, runs in results.items():
+    for n, (name, runs) in enumerate(results.items()):
+        color = plt.get_cmap("tab10")(n)  # (a color per run, a line style per seed)
         for seed, run in runs.items():
-            steps = [r["step"] for r in run["rows"]]
+            rows = [r for r in run["rows"] if r["loss"] is not None]
             style = "-" if seed == min(runs) else ":"
-            line = left.plot(steps, [r["loss"] for r in run["rows"]], style, label=f"{name} (seed {seed})")
+            left.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color,
+                      label=f"{name} (seed {seed})")  # fmt: skip
             evals = [r for r in run["rows"] if "bleu" in r]
-            right.plot([r["step"] for r in evals], [r["bleu"] for r in evals], style, color=line[0].get_color(),
-                       marker="o")  # fmt: skip
+            right.plot([r["step"] for r in evals], [r["bleu"] for r in evals], style, color=color, marker="o")
     left.set(xlabel="step", ylabel="training loss", title=title, yscale="log")
     right.set(xlabel="step", ylabel="BLEU (mean over the pairs)")
     left.legend(fontsize=7)
@@ -185,6 +209,26 @@ def plot_rates(run: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def report(results: dict[str, dict[int, dict[str, Any]]], part: str, out: Path, args: Any, seeds: list[int]) -> None:
+    """A part's table (``PART.md``) and curves (``PART.png``; ``rates_per_layer.png``)."""
+    plot(results, out / f"{part}.png", part)
+    if part == "rates":
+        plot_rates(results["learned per layer (beta 0.02)"][seeds[0]], out / "rates_per_layer.png")
+    lines = [
+        f"## {part}",
+        "",
+        f"`python benchmarks/aids.py --parts {part} --seeds {args.seeds} --deep {args.deep} --steps "
+        f"{args.steps}` on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+        f"`gpipe train {' '.join(SETTINGS)}` on the demo corpus, two stages; the means of the seeds, "
+        "two runs at a time.",
+        "",
+        *table(results, args.steps),
+        "",
+    ]
+    (out / f"{part}.md").write_text("\n".join(lines))
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/aids")
@@ -193,6 +237,9 @@ def main() -> None:
     parser.add_argument("--deep", type=int, default=24, help="the fixup part's L")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--work", help="where the runs go (default: a temporary folder, deleted)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="write the parts' tables and curves again, from their JSON"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,10 +248,15 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpipe-aids-"))
     try:
         corpus = work / "corpus"
-        if not corpus.exists():
+        if not corpus.exists() and not args.report_only:
             subprocess.run([sys.executable, "-m", "gpipe", "corpus", "--out", str(corpus)], check=True, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True)  # fmt: skip
         for part in args.parts.split(","):
+            if args.report_only:
+                saved = json.loads((out / f"{part}.json").read_text())
+                results = {name: {int(seed): run for seed, run in runs_.items()} for name, runs_ in saved.items()}
+                report(results, part, out, args, seeds)
+                continue
             runs = parts(args.deep)[part]
             jobs = [(name, seed) for name in runs for seed in seeds]
             names = list(runs)
@@ -215,23 +267,9 @@ def main() -> None:
                 for (name, seed), run in zip(jobs, done, strict=True):
                     results.setdefault(name, {})[seed] = run
             (out / f"{part}.json").write_text(json.dumps(
-                {name: {str(s): {"rows": r["rows"], "parameters": r["parameters"], "seconds": r["seconds"]}
+                {name: {str(s): {k: r[k] for k in ("rows", "parameters", "seconds", "diverged")}
                         for s, r in runs_.items()} for name, runs_ in results.items()}) + "\n")  # fmt: skip
-            plot(results, out / f"{part}.png", part)
-            if part == "rates":
-                plot_rates(results["learned per layer (beta 0.02)"][seeds[0]], out / "rates_per_layer.png")
-            lines = [
-                f"## {part}",
-                "",
-                f"`python benchmarks/aids.py --parts {part} --seeds {args.seeds} --deep {args.deep} --steps "
-                f"{args.steps}` on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-                f"`gpipe train {' '.join(SETTINGS)}` on the demo corpus, two stages.",
-                "",
-                *table(results),
-                "",
-            ]
-            (out / f"{part}.md").write_text("\n".join(lines))
-            print("\n".join(lines), flush=True)
+            report(results, part, out, args, seeds)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
