@@ -57,7 +57,7 @@ TRAIN = [
     (["--dim", "64", "--heads", "3"], "heads: 3"),
     (["--model", "amoebanet", "--image-size", "2"], "--image-size must be at least 4 (got 2)"),
     (["--model", "lstm"], "unknown model 'lstm'"),
-    (["--optimizer", "sgd"], "unknown optimizer 'sgd'"),
+    (["--optimizer", "lamb"], "unknown optimizer 'lamb'"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--data", "{tmp}/nowhere.tsv"], "'{tmp}/nowhere.tsv': there is no such file"),
     (["--out", "{tmp}/afile"], "--out '{tmp}/afile' is a file"),

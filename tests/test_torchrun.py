@@ -54,10 +54,12 @@ def test_example_runs_alike_in_one_process_and_under_torchrun(
 
 def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     """Every number of metrics.jsonl (losses, held-out losses, BLEU, the training health's norms and
-    gradient-norm ratio) bitwise equal, but the speed."""
+    gradient-norm ratio, the learned learning rates of a model with shared layers) bitwise equal, but
+    the speed."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("WORLD_SIZE", None)
-    flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5", "--health-every", "5"]
+    flags = ["train", "--steps", "10", "--no-progress", "--eval-every", "5", "--health-every", "5",
+             "--share-layers", "2", "--lr-hypergradient", "0.05"]  # fmt: skip
     runs = {
         "one": [sys.executable, "-m", "gpipe", *flags, "--out", str(tmp_path / "one")],
         "two": [
@@ -76,6 +78,8 @@ def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     assert list(map(strip, two)) == list(map(strip, one))
     # the training health too (reduced across the ranks: bitwise the one process's), every 5 steps
     assert ['"grad_norm_ratio": ' in line for line in two] == [step % 5 == 0 for step in range(1, 11)]
+    assert '"lr/000": ' in two[-1] and "layers shared every 2" not in two[-1]
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000010").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "guard.json", "manifest.json", "run.json", "scheduler.json",
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "guard.json", "learned_rates.json", "manifest.json", "run.json",
+        "scheduler.json",
     ]  # fmt: skip

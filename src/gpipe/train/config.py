@@ -66,7 +66,7 @@ NONFINITE = ("stop", "skip")  # --on-nonfinite
 
 @dataclass(kw_only=True)
 class TrainConfig(ModelSettings):
-    """Everything ``gpipe train`` needs (the model: :class:`ModelSettings`'s fields, first); each field is
+    """Everything ``gpipe train`` needs (the model: ``ModelSettings``' fields, first); each field is
     also a command-line flag."""
 
     partitions: int = field(default=2, metadata={"help": "K: pipeline stages (devices, or ranks under torchrun)"})
