@@ -162,25 +162,21 @@ def losses_of(out: Path) -> list[dict[str, object]]:
 
 def test_gpipe_train_with_the_aids_is_exact_across_k_and_resumes_exactly(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``gpipe train`` with the three aids (shared layers, per-layer learned rates, Fixup without layer
-    norm): K = 1 and K = 2 give the same losses and learned rates; a run stopped at step 2 and resumed
-    has the uninterrupted run's; the first lines count the shared weights once."""
+    norm): a run stopped after step 2 at K = 1 (the gpipe schedule) and resumed at K = 2 (1F1B) has the
+    uninterrupted K = 2 run's losses and learned rates; the first lines count the shared weights once."""
     common = ["--layers", "2", "--share-layers", "2", "--lr-hypergradient", "0.05", "--norm", "none", "--init-scheme",
-              "fixup", "--steps", "4", "--batch", "8",
-              "--chunks", "2", "--eval-every", "0", "--dropout", "0.1", "--checkpoint-every", "2", "--no-progress",
-              "--tensorboard", "off"]  # fmt: skip
-    assert main(["train", *common, "--partitions", "2", "--out", str(tmp_path / "k2")]) == 0
-    said = capsys.readouterr().err
-    assert "layers shared every 2" in said
-    assert main(["train", *common, "--partitions", "1", "--schedule", "gpipe", "--out", str(tmp_path / "k1")]) == 0
-    full, k1 = losses_of(tmp_path / "k2"), losses_of(tmp_path / "k1")
+              "fixup", "--steps", "4", "--batch", "8", "--chunks", "2", "--eval-every", "0", "--dropout", "0.1",
+              "--checkpoint-every", "2", "--no-progress", "--tensorboard", "off"]  # fmt: skip
+    assert main(["train", *common, "--partitions", "2", "--out", str(tmp_path / "full")]) == 0
+    assert "note: layers shared every 2: " in capsys.readouterr().err
+    full = losses_of(tmp_path / "full")
     rates = [k for k in full[0] if k.startswith("lr/")]
     assert len(rates) == 5 and len({full[-1][k] for k in rates}) > 1  # (2L + 3 layers, 2 of them shared: own 5)
+    cut = ["--out", str(tmp_path / "cut")]
+    assert main(["train", *common, "--partitions", "1", "--schedule", "gpipe", "--steps", "2", *cut]) == 0
+    assert main(["train", *common, "--partitions", "2", "--schedule", "1f1b", *cut, "--resume"]) == 0
 
     def seen(rows: list[dict[str, object]]) -> list[tuple[object, ...]]:
         return [(row["loss"], *[row[k] for k in rates]) for row in rows]
 
-    assert seen(k1) == seen(full)
-    # Stopped after step 2 (its checkpoint), resumed: the uninterrupted run's losses and rates.
-    assert main(["train", *common, "--partitions", "2", "--steps", "2", "--out", str(tmp_path / "cut")]) == 0
-    assert main(["train", *common, "--partitions", "2", "--out", str(tmp_path / "cut"), "--resume"]) == 0
     assert seen(losses_of(tmp_path / "cut")) == seen(full)

@@ -78,7 +78,7 @@ def test_gpipe_train_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     assert list(map(strip, two)) == list(map(strip, one))
     # the training health too (reduced across the ranks: bitwise the one process's), every 5 steps
     assert ['"grad_norm_ratio": ' in line for line in two] == [step % 5 == 0 for step in range(1, 11)]
-    assert '"lr/000": ' in two[-1] and "layers shared every 2" not in two[-1]
+    assert '"lr/000": ' in two[-1]  # (the learned rates, in the lines compared)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000010").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "guard.json", "learned_rates.json", "manifest.json", "run.json",
         "scheduler.json",
