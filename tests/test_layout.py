@@ -20,7 +20,7 @@ ROOT = Path(gpipe.__file__).parent
 # ends; the applications: what is built on it. Every entry of gpipe/ is in exactly one.
 LIBRARY = frozenset({
     "__init__", "microbatch", "checkpoint", "rng", "batchnorm", "skip", "tied", "memory", "cache", "auxiliary",
-    "threads", "balance", "schedule", "sequential", "runtime", "distributed", "saving", "engine",  # the engine
+    "shards", "threads", "balance", "schedule", "sequential", "runtime", "distributed", "saving", "engine",  # engine
     "pipeline", "gpipe", "generation", "nonfinite", "health",  # the front ends
 })  # fmt: skip
 APPLICATIONS = frozenset({

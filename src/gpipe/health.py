@@ -74,6 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gpipe.checkpoint import is_checkpointing
 from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
+from gpipe.shards import local
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
@@ -116,17 +117,13 @@ def _checked_blocks(blocks: Any, layers: int) -> tuple[int, int]:
     return int(blocks[0]), int(blocks[1])
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _square_sum(t: Tensor) -> Tensor:
     """The sum of ``t``'s squares in float64 (a 0-dim tensor on its device), in a tree fixed by its
     size: rows of ``_CHUNK`` elements, each row's norm taken by one thread in one kernel (torch splits a
     reduction with several outputs over them, never inside one) and squared, the rest likewise, then
     the row sums alike until one short row is left, which torch sums serially. A plain ``sum`` of a
     large tensor splits by the thread count."""
-    v = _local(t.detach()).reshape(-1)
+    v = local(t.detach()).reshape(-1)
     if v.numel() <= _CHUNK:
         whole: Tensor = torch.linalg.vector_norm(v, dtype=torch.float64)
         return whole.square()

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
+from gpipe.shards import local
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
@@ -186,13 +187,9 @@ def _cosine(dot: float, gg: float, uu: float) -> float:
     return dot / math.sqrt(gg * uu) if gg > 0 and uu > 0 else 0.0
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _sums(grad: Tensor, update: Tensor) -> Tensor:
     """(g·u, g·g, u·u) of a parameter's local values, in float64, each in a tree fixed by the size."""
-    g, u = _local(grad).reshape(-1).double(), _local(update).reshape(-1).double()
+    g, u = local(grad).reshape(-1).double(), local(update).reshape(-1).double()
     return torch.stack([_tree_sum(g * u), _tree_sum(g * g), _tree_sum(u * u)])
 
 

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from gpipe.checkpoint import is_recomputing
 from gpipe.distributed.devices import comm_device
 from gpipe.distributed.failure import collective
+from gpipe.shards import local
 
 if TYPE_CHECKING:
     from gpipe.microbatch import Share
@@ -77,12 +78,6 @@ class NonFinite:
         )
 
 
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _flag_device(pipe: Pipeline) -> torch.device:
     return comm_device(pipe.devices[0])
 
@@ -99,7 +94,7 @@ def all_finite(pipe: Pipeline, loss: float, *, norms: Sequence[float] | None = N
         by_device: dict[torch.device, list[Tensor]] = {}
         for p in pipe.parameters():
             if p.grad is not None:
-                g = _local(p.grad)
+                g = local(p.grad)
                 by_device.setdefault(g.device, []).append(g)
         for grads in by_device.values():
             norms2 = torch._foreach_norm(grads, 2)  # (8x faster than ord=inf on CPU; NaN and Inf carry through)
@@ -118,7 +113,7 @@ def _kind(value: Any) -> str | None:
     """``"NaN"``, ``"Inf"`` or None: the non-finite values among ``value``'s floating tensors."""
     found = None
     for t in _tensors(value):
-        t = _local(t.detach())
+        t = local(t.detach())
         if not bool(torch.isfinite(t).all()):
             if bool(torch.isnan(t).any()):
                 return "NaN"

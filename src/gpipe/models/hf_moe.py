@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.distributed.experts import ExpertGroup, exchange, split_stacked
+from gpipe.shards import local
 
 __all__ = ["prepare_split", "splittable"]
 
@@ -63,10 +63,6 @@ def _split(self: Any, experts: ExpertGroup) -> None:
     self.forward = types.MethodType(_spread_forward, self)
 
 
-def _local(param: Tensor) -> Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def _spread_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """transformers' experts forward with the experts split over ``self.gpipe_spread``."""
     from torch.distributed import _functional_collectives as funcol
@@ -84,7 +80,7 @@ def _spread_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k
     which = funcol.wait_tensor(  # type: ignore[no-untyped-call]
         funcol.all_to_all_single((chosen % share).contiguous(), receive, send, group.group)
     )
-    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    gate_up, down = local(self.gate_up_proj), local(self.down_proj)
     out = torch.zeros_like(rows)
     for j in range(share):
         (picked,) = torch.nonzero(which == j, as_tuple=True)

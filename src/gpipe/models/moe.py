@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.auxiliary import with_auxiliary_loss
 from gpipe.cache import decoding as _decoding
 from gpipe.distributed.devices import comm_device
 from gpipe.distributed.experts import ExpertGroup, exchange, split_stacked
 from gpipe.distributed.failure import collective
+from gpipe.shards import local
 
 __all__ = ["Experts", "MoEFeedForward", "Routing", "active_parameters", "check_moe", "route", "routing_metrics"]
 
@@ -87,7 +87,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (E, C, dim) -> (E, C, dim); split: this rank's experts
         inner_w, inner_b, outer_w, outer_b = (
-            _local(p) for p in (self.inner_weight, self.inner_bias, self.outer_weight, self.outer_bias)
+            local(p) for p in (self.inner_weight, self.inner_bias, self.outer_weight, self.outer_bias)
         )
         h = torch.relu(torch.baddbmm(inner_b.unsqueeze(1), x, inner_w))
         out: Tensor = torch.baddbmm(outer_b.unsqueeze(1), h, outer_w)
@@ -238,11 +238,6 @@ class MoEFeedForward(nn.Module):
         pieces = zip(torch.split(done, capacities, dim=1), capacities)
         back = torch.cat([part.reshape(share * c, -1) for part, c in pieces])
         return exchange(back, group, mine, [share * capacity] * n).view(self.experts.count, capacity, -1)
-
-
-def _local(param: Tensor) -> Tensor:
-    """This rank's part of a parameter (a split expert's ``DTensor``), or the parameter."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def active_parameters(model: nn.Module) -> int:

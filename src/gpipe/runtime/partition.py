@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.rng import derive_seed
+from gpipe.shards import local
 from gpipe.skip import check_skips
 from gpipe.tied import untie
 
@@ -236,10 +236,6 @@ def materialize_shards(layer: nn.Module, index: int, device: torch.device, init_
     _initialized(index, init_seed, device, reset)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _written_whole(layer: nn.Module, init: Callable[[nn.Module], None]) -> set[int]:
     """The tensors of ``layer`` (by ``id``) that ``init`` says it overwrites whole: the names (as
     in ``layer.state_dict()``) its ``fills(layer)`` returns, if it has one (a loader of pretrained
@@ -263,9 +259,9 @@ def _initialized_by(init: Callable[[nn.Module], None], layer: nn.Module, index: 
     }
     with torch.no_grad():
         for t in floats.values():
-            _local(t).fill_(float("nan"))
+            local(t).fill_(float("nan"))
     init(layer)
-    left = [n for n, t in floats.items() if bool(torch.isnan(_local(t)).any())]
+    left = [n for n, t in floats.items() if bool(torch.isnan(local(t)).any())]
     if left:
         raise TypeError(
             f"layer {index} was materialized from the meta device, but its initialization left {left} unwritten; "
