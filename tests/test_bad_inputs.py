@@ -58,6 +58,8 @@ TRAIN = [
     (["--model", "amoebanet", "--image-size", "2"], "--image-size must be at least 4 (got 2)"),
     (["--model", "lstm"], "unknown model 'lstm'"),
     (["--optimizer", "lamb"], "unknown optimizer 'lamb'"),
+    (["--tensor-parallel", "2"], "nn.MultiheadAttention's fused projection cannot be: give --head-dim 16"),
+    (["--model", "amoebanet", "--tensor-parallel", "2"], "AmoebaNet-D has no tensor-parallel plan"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["--data", "{tmp}/nowhere.tsv"], "'{tmp}/nowhere.tsv': there is no such file"),
     (["--out", "{tmp}/afile"], "--out '{tmp}/afile' is a file"),

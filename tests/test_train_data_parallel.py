@@ -202,9 +202,11 @@ def test_a_sharded_gradient_is_clipped_by_its_whole_norm(pool: Pool) -> None:
         ("4", ["--data-parallel", "-1"], "error: --data-parallel must be positive (got -1)"),
         ("3", ["--data-parallel", "0"], "error: --data-parallel 0 takes as many replicas as torchrun's 3 processes "
          "hold, but they are not a multiple of --partitions 2 x --tensor-parallel 1"),
-        (None, ["--tensor-parallel", "2"], "error: --tensor-parallel 2 splits each layer over 2 processes: start it "
+        (None, ["--tensor-parallel", "2", "--head-dim", "16"], "error: --tensor-parallel 2 splits each layer over 2 "
+         "processes: start it "
          "with torchrun --nproc-per-node 4 -m gpipe train --partitions 2 --data-parallel 1 --tensor-parallel 2 ..."),
-        ("6", ["--tensor-parallel", "2"], "error: --data-parallel 1 x --partitions 2 x --tensor-parallel 2 needs 4 "
+        ("6", ["--tensor-parallel", "2", "--head-dim", "16"], "error: --data-parallel 1 x --partitions 2 x "
+         "--tensor-parallel 2 needs 4 "
          "processes, but torchrun started 6"),
     ],
 )  # fmt: skip

@@ -32,7 +32,7 @@ from gpipe.train.checks import (
 )
 from gpipe.train.initial import hf_config_path, model_flags_error
 from gpipe.train.layout import layout_error
-from gpipe.train.model_settings import MODELS, ModelSettings, aids_error
+from gpipe.train.model_settings import MODELS, ModelSettings, aids_error, tensor_parallel_error
 from gpipe.train.precision import PRECISIONS
 
 __all__ = [
@@ -92,7 +92,8 @@ class TrainConfig(ModelSettings):
         default=1,
         metadata={
             "help": "T: split each layer that has a tensor-parallel plan over T processes under torchrun (D x K x T "
-            "in all): --model hf with a Hugging Face plan (Llama, Qwen2, Mistral via --hf-config)"
+            "in all): --model hf with a Hugging Face plan (Llama, Qwen2, Mistral via --hf-config), or the "
+            "transformer with --head-dim"
         },
     )
     devices: str = field(
@@ -336,7 +337,7 @@ class TrainConfig(ModelSettings):
             raise ConfigError(f"--eval-every must be 0 (never) or positive (got {self.eval_every})")
         if self.max_length < 2:
             raise ConfigError(f"--max-length must be at least 2 (got {self.max_length})")
-        if (error := data_flags_error(self) or devices_error(self) or aids_error(self)) is not None:
+        if error := data_flags_error(self) or devices_error(self) or aids_error(self) or tensor_parallel_error(self):
             raise ConfigError(error)
         if (error := shape_error(self)) is not None:
             raise ConfigError(error)

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpipe.models import hf
 
-__all__ = ["INIT_SCHEMES", "MODELS", "NORMS", "SCOPES", "ModelSettings", "aids_error"]
+__all__ = ["INIT_SCHEMES", "MODELS", "NORMS", "SCOPES", "ModelSettings", "aids_error", "tensor_parallel_error"]
 
 MODELS = ("transformer", "amoebanet", "hf")
 NORMS = ("auto", "none")  # --norm: the model's own (layer norm, batch norm), or none
@@ -188,4 +188,26 @@ def aids_error(cfg: Any) -> str | None:
             "--lr-hypergradient-scope is for the learned learning rate: give --lr-hypergradient BETA too, or leave "
             "it out"
         )
+    return None
+
+
+def tensor_parallel_error(cfg: Any) -> str | None:
+    """What is wrong with ``--tensor-parallel`` for ``cfg``'s model, if anything: the Transformer's
+    attention is split by heads, which needs ``--head-dim`` (gpipe's own projections, not
+    ``nn.MultiheadAttention``'s fused one) and heads that the degree divides; AmoebaNet-D has no plan."""
+    t = cfg.tensor_parallel
+    if t <= 1 or cfg.model == "hf":  # (a Hugging Face model's plan is checked as it is split)
+        return None
+    if cfg.model == "amoebanet":
+        return (
+            f"--tensor-parallel {t}: AmoebaNet-D has no tensor-parallel plan (it splits the Transformer and --model "
+            "hf); use --data-parallel or --partitions"
+        )
+    if not cfg.head_dim:
+        return (
+            f"--tensor-parallel {t} splits the Transformer's attention by heads, which nn.MultiheadAttention's fused "
+            f"projection cannot be: give --head-dim {max(cfg.dim // max(cfg.heads, 1), 1)} (the same sizes)"
+        )
+    if cfg.heads % t:
+        return f"--tensor-parallel {t} must divide --heads {cfg.heads}: each rank computes heads/T of them"
     return None
