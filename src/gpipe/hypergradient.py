@@ -132,13 +132,14 @@ class LearnedRates:
     def _learn(self) -> None:
         """Each factor times 1 + β·cos(g, -u) of its layer (or of the model), from every parameter with a
         gradient and a kept update."""
+        if not self.beta:
+            return
         found = [(p, at, counted, u) for p, at, counted in self.params
                  if p.grad is not None and (u := self.optimizer.state.get(p, {}).get(UPDATE)) is not None]  # fmt: skip
-        if not found or not self.beta:
-            return
+        # (a rank with nothing to learn from yet, as every rank at the first step, still joins the all-reduce)
         sums = _whole([_sums(p.grad, u) for p, _, _, u in found if p.grad is not None], [p for p, _, _, _ in found])
         per_layer: dict[int, list[list[float]]] = {}
-        for (_, at, counted, _), row in zip(found, sums.tolist(), strict=True):
+        for (_, at, counted, _), row in zip(found, sums, strict=True):
             if counted:
                 per_layer.setdefault(at, []).append(row)
         vector = [0.0] * (3 * self.layers)
@@ -203,9 +204,10 @@ def _tree_sum(v: Tensor) -> Tensor:
     return v.sum()
 
 
-def _whole(sums: Sequence[Tensor], params: Sequence[Tensor]) -> Tensor:
-    """The (n, 3) sums of whole parameters: those of ``DTensor`` shards summed over the mesh
-    dimensions they are sharded on, one all-reduce per layout (every rank of the mesh calls alike)."""
+def _whole(sums: Sequence[Tensor], params: Sequence[Tensor]) -> list[list[float]]:
+    """The (n, 3) sums of whole parameters, read to the host at once: those of ``DTensor`` shards summed
+    over the mesh dimensions they are sharded on, one all-reduce per layout (every rank of the mesh
+    calls alike)."""
     rows = list(sums)
     layouts: dict[tuple[Any, ...], list[int]] = {}
     for n, p in enumerate(params):
@@ -219,5 +221,7 @@ def _whole(sums: Sequence[Tensor], params: Sequence[Tensor]) -> Tensor:
             whole = DTensor.from_local(torch.stack([rows[n] for n in ns]), p.device_mesh, placements).full_tensor()
         for n, row in zip(ns, whole, strict=True):
             rows[n] = row
-    stacked = torch.stack([r.to(rows[0].device) for r in rows])
-    return stacked.cpu() if stacked.device.type != "cpu" else stacked
+    if not rows:
+        return []
+    read: list[list[float]] = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
+    return read
