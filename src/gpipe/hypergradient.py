@@ -130,8 +130,8 @@ class LearnedRates:
                 state[UPDATE] = kept
 
     def _learn(self) -> None:
-        """Each factor times 1 + β·cos(g, -u) of its layer (or of the model), from every parameter with a
-        gradient and a kept update."""
+        """Each factor times 1 + β·cos(g, u) of its layer (or of the model), u the kept update (the last
+        step, negated), from every parameter with a gradient and a kept update."""
         if not self.beta:
             return
         found = [(p, at, counted, u) for p, at, counted in self.params

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "INIT_SCHEMES",
     "FixupBranch",
     "FixupConv2d",
     "FixupLinear",

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpipe.hypergradient import SCOPES  # --lr-hypergradient-scope
 from gpipe.models import hf
+from gpipe.models.fixup import INIT_SCHEMES  # --init-scheme
 
 __all__ = ["INIT_SCHEMES", "MODELS", "NORMS", "SCOPES", "ModelSettings", "aids_error", "tensor_parallel_error"]
 
 MODELS = ("transformer", "amoebanet", "hf")
 NORMS = ("auto", "none")  # --norm: the model's own (layer norm, batch norm), or none
-INIT_SCHEMES = ("default", "fixup")  # --init-scheme
 
 
 @dataclass(kw_only=True)
@@ -143,9 +144,6 @@ class ModelSettings:
             "(Universal Transformers' sharing across depth; 1: none); N divides --layers"
         },
     )
-
-
-SCOPES = ("layer", "global")  # --lr-hypergradient-scope
 
 
 def aids_error(cfg: Any) -> str | None:
