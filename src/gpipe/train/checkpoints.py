@@ -30,6 +30,7 @@ from gpipe.pipeline import Pipeline
 from gpipe.runfile import RUN
 from gpipe.saving import AsyncSave, CheckpointError, complete, latest, load, prune, save, write_atomically
 from gpipe.train.config import ConfigError, TrainConfig
+from gpipe.train.learned import RATES
 from gpipe.train.setup import hf_config, process_rank
 
 __all__ = ["RUN", "SCHEDULER", "Checkpoints", "Interrupts", "truncate_metrics"]
@@ -85,7 +86,7 @@ class Checkpoints:
             extra["guard.json"] = lambda p: p.write_text(guard)
         if self.rates is not None:
             rates = json.dumps(self.rates.state_dict())
-            extra["learned_rates.json"] = lambda p: p.write_text(rates + "\n")
+            extra[RATES] = lambda p: p.write_text(rates + "\n")
         if isinstance(data, (TextLines, PreparedText, InstructionData, PreparedRecords)):
             for name, source in tokenizer.checkpoint_files(data.tokenizer).items():
                 extra[name] = lambda p, source=source: shutil.copyfile(source, p)

@@ -168,7 +168,7 @@ def aids_error(cfg: Any) -> str | None:
     if cfg.share_layers < 1:
         return f"--share-layers must be at least 1 (1: no sharing; got {cfg.share_layers})"
     if cfg.share_layers > 1:
-        layers = cfg.layers or 2  # (the Transformer's default L)
+        layers = cfg.depth  # (L, the Transformer's default where --layers is 0)
         if cfg.model != "transformer":
             return f"--share-layers is for --model transformer (model: {cfg.model!r}); leave it out"
         if layers % cfg.share_layers:
